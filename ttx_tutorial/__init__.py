@@ -1,0 +1,24 @@
+"""ttx_tutorial: causal linear attention in Triton, from the naive recurrence to parallel scans.
+
+Importing the package decides how kernels run (see :mod:`ttx_tutorial._device`): on a CUDA
+GPU when one is present, otherwise through Triton's CPU interpreter. The decision is made
+before any Triton kernel is defined and without touching the GPU driver.
+"""
+
+from ._device import DEVICE, INTERPRETED  # first: sets TRITON_INTERPRET before any @triton.jit
+from .api import MAX_HEAD_DIM, METHODS, causal_product, method_info
+from .notebook import describe, on_gpu, size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEVICE",
+    "INTERPRETED",
+    "MAX_HEAD_DIM",
+    "METHODS",
+    "causal_product",
+    "describe",
+    "method_info",
+    "on_gpu",
+    "size",
+]

@@ -1,0 +1,76 @@
+"""Checks on the arguments of ``causal_product``: clear errors instead of compiler tracebacks."""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expected_device):
+    """Validate q, k, v and the initial state for one method.
+
+    ``dtypes``: the floating dtypes the method accepts. ``max_head_dim``: the largest D and
+    E it supports (None: no limit). ``expected_device``: the device type the method runs
+    on ("cpu", "cuda"), or None when any device works.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            shape_hint = "(B, H, T, E)" if name == "v" else "(B, H, T, D)"
+            raise ValueError(f"{name} must have 4 dimensions {shape_hint}, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have the same shape (B, H, T, D), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must share B, H and T with q: v is {tuple(v.shape)} (B, H, T, E), q is {tuple(q.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "convert them first, e.g. k.to(q.dtype)"
+        )
+    if q.dtype not in dtypes:
+        raise TypeError(
+            f"method {method!r} supports dtypes {_dtype_names(dtypes)}; q, k, v are {q.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    if expected_device is not None and q.device.type != expected_device:
+        where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        raise ValueError(
+            f"method {method!r} runs on {where} in this session, so q, k, v must be on "
+            f"{expected_device!r}; they are on {q.device}. Move them with .to(ttx_tutorial.DEVICE)"
+        )
+    D, E = q.shape[-1], v.shape[-1]
+    if D < 1 or E < 1:
+        raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
+    if max_head_dim is not None and (D > max_head_dim or E > max_head_dim):
+        raise ValueError(
+            f"method {method!r} supports D and E up to {max_head_dim}; got D={D} (q, k) and E={E} (v). "
+            "Split the head dimension or use a reference method"
+        )
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        expected = (*q.shape[:2], D, E)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+            )
+        if not initial_state.dtype.is_floating_point:
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(
+                f"initial_state must be on the same device as q ({q.device}), got {initial_state.device}"
+            )

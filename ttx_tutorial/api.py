@@ -1,0 +1,88 @@
+"""``causal_product``: one entry point for every implementation of the causal dot product."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from . import _device
+from ._validation import KERNEL_DTYPES, REFERENCE_DTYPES, check_inputs
+
+
+@dataclass(frozen=True)
+class Method:
+    """One implementation: where it lives and what it accepts."""
+
+    name: str
+    target: str  # "module:function"; imported on first use so kernels compile lazily
+    is_triton: bool
+    summary: str
+
+    @property
+    def dtypes(self):
+        return KERNEL_DTYPES if self.is_triton else REFERENCE_DTYPES
+
+    @property
+    def max_head_dim(self):
+        return MAX_HEAD_DIM if self.is_triton else None
+
+    def load(self):
+        module_name, function_name = self.target.split(":")
+        return getattr(importlib.import_module(module_name), function_name)
+
+
+#: The largest head dimension (D and E) the Triton kernels support.
+MAX_HEAD_DIM = 256
+
+_METHOD_LIST = (
+    Method("loop", "ttx_tutorial.references:loop", False,
+           "PyTorch: the recurrence literally, one token per Python step"),
+    Method("cumsum", "ttx_tutorial.references:cumsum", False,
+           "PyTorch: every state S_t materialised by torch.cumsum, O(T*D*E) memory"),
+    Method("quadratic", "ttx_tutorial.references:quadratic", False,
+           "PyTorch: the masked form ((Q K^T) * M) V, O(T^2)"),
+)
+
+_REGISTRY = {m.name: m for m in _METHOD_LIST}
+
+#: Every method name ``causal_product`` accepts.
+METHODS = tuple(_REGISTRY)
+
+
+def method_info(name: str) -> Method:
+    """The :class:`Method` record for ``name``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of {METHODS}")
+    return _REGISTRY[name]
+
+
+def causal_product(q, k, v, method="quadratic", *, initial_state=None, return_state=False):
+    """Causal linear attention: o_t = S_t^T q_t with S_t = S_{t-1} + k_t v_t^T.
+
+    Args:
+        q, k: (B, H, T, D) tensors; v: (B, H, T, E), all of one dtype on one device.
+        method: one of :data:`METHODS`.
+        initial_state: optional (B, H, D, E) tensor S_0 (zeros when None); used in float32.
+        return_state: also return S_T, the state after the last token, as (B, H, D, E) float32
+            (float64 for float64 inputs to the references).
+
+    Returns:
+        o of shape (B, H, T, E) in the dtype of the inputs, or ``(o, S_T)`` with ``return_state``.
+    """
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
+    info = method_info(method)
+    expected_device = _device.DEVICE.type if info.is_triton else None
+    check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,
+                 max_head_dim=info.max_head_dim, expected_device=expected_device)
+    if initial_state is not None and q.dtype != torch.float64:
+        initial_state = initial_state.float()
+    implementation = info.load()
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
+            o, final_state = implementation(q, k, v, initial_state)
+    else:
+        o, final_state = implementation(q, k, v, initial_state)
+    return (o, final_state) if return_state else o

@@ -1,0 +1,109 @@
+"""Helpers shared by the tests and the notebooks: inputs, float64 references, error checks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from . import _device
+from .references import quadratic
+
+#: Largest accepted ||out - ref|| / ||ref|| against a float64 reference, per input dtype.
+TOLERANCES = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
+}
+
+
+def random_inputs(B, H, T, D, E=None, *, dtype=torch.float32, device=None, seed=None,
+                  initial_state=False, requires_grad=False):
+    """Fresh random q, k, v (and optionally S_0), shaped for ``causal_product``.
+
+    q, k ~ N(0, 1) / sqrt(D) and v ~ N(0, 1), so that q.k is O(1) as in attention; the
+    initial state ~ N(0, 1) in float32. Returns ``(q, k, v)`` or ``(q, k, v, s0)``.
+    """
+    E = D if E is None else E
+    device = _device.DEVICE if device is None else torch.device(device)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(torch.seed() if seed is None else seed)
+
+    def draw(*shape, scale=1.0, dt=dtype):
+        x = (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dt)
+        return x.to(device).requires_grad_(requires_grad)
+
+    q = draw(B, H, T, D, scale=1 / math.sqrt(D))
+    k = draw(B, H, T, D, scale=1 / math.sqrt(D))
+    v = draw(B, H, T, E)
+    if not initial_state:
+        return q, k, v
+    return q, k, v, draw(B, H, D, E, dt=torch.float32)
+
+
+def reference(q, k, v, initial_state=None):
+    """``(o, S_T)`` computed in float64 on the CPU from the given (possibly low-precision) inputs."""
+    def up(x):
+        return None if x is None else x.detach().to("cpu", torch.float64)
+
+    return quadratic(up(q), up(k), up(v), up(initial_state))
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (the plain norm of out when ref is all zeros).
+
+    NaN or inf anywhere gives ``inf``, so a poisoned, unwritten element never passes.
+    """
+    out = out.detach().to("cpu", torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    if not torch.isfinite(out).all():
+        return math.inf
+    if out.numel() == 0:
+        return 0.0
+    scale = torch.linalg.vector_norm(ref).item()
+    diff = torch.linalg.vector_norm(out - ref).item()
+    return diff / scale if scale > 0 else diff
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCES[dtype]
+
+
+def assert_close(out, ref, dtype, name="output"):
+    """Fail unless ``relative_error(out, ref)`` is within the tolerance for ``dtype``."""
+    err = relative_error(out, ref)
+    tol = tolerance(dtype)
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} exceeds {tol:.0e} for {dtype}")
+    return err
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Within the block, ``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors.
+
+    Kernel wrappers allocate their outputs with these, so any element a kernel forgets to
+    write stays NaN and ``relative_error`` reports ``inf``.
+    """
+    original_empty, original_empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        if x.dtype.is_floating_point:
+            x.fill_(math.nan)
+        return x
+
+    def empty(*args, **kwargs):
+        return poison(original_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):
+        return poison(original_empty_like(*args, **kwargs))
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = original_empty, original_empty_like
