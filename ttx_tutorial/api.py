@@ -43,6 +43,12 @@ _METHOD_LIST = (
            "PyTorch: every state S_t materialised by torch.cumsum, O(T*D*E) memory"),
     Method("quadratic", "ttx_tutorial.references:quadratic", False,
            "PyTorch: the masked form ((Q K^T) * M) V, O(T^2)"),
+    Method("recurrent", "ttx_tutorial.kernels.recurrent:recurrent_causal_product", True,
+           "Triton: one program per (batch, head, value block) walks T with its state in registers"),
+    Method("chunked", "ttx_tutorial.kernels.chunked:chunked_causal_product", True,
+           "Triton: chunks of C tokens on tensor-core tiles, the state carried from chunk to chunk"),
+    Method("scan", "ttx_tutorial.kernels.scan:scan_causal_product", True,
+           "Triton: per-segment states combined by a parallel prefix sum, then every segment at once"),
 )
 
 _REGISTRY = {m.name: m for m in _METHOD_LIST}
