@@ -27,7 +27,8 @@ def _start_state(q, v, initial_state, acc):
     E = v.shape[-1]
     if initial_state is None:
         return torch.zeros(B, H, D, E, dtype=acc, device=q.device)
-    return initial_state.to(acc)
+    # A copy, so that the returned state never aliases the caller's tensor (T = 0).
+    return initial_state.to(acc, copy=True)
 
 
 def loop(q, k, v, initial_state=None):

@@ -28,8 +28,11 @@ def random_inputs(B, H, T, D, E=None, *, dtype=torch.float32, device=None, seed=
     """
     E = D if E is None else E
     device = _device.DEVICE if device is None else torch.device(device)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(torch.seed() if seed is None else seed)
+    generator = torch.Generator(device="cpu")  # private: never reseeds torch's global generator
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
 
     def draw(*shape, scale=1.0, dt=dtype):
         x = (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dt)
@@ -43,12 +46,25 @@ def random_inputs(B, H, T, D, E=None, *, dtype=torch.float32, device=None, seed=
     return q, k, v, draw(B, H, D, E, dt=torch.float32)
 
 
-def reference(q, k, v, initial_state=None):
-    """``(o, S_T)`` computed in float64 on the CPU from the given (possibly low-precision) inputs."""
-    def up(x):
-        return None if x is None else x.detach().to("cpu", torch.float64)
+def reference(q, k, v, initial_state=None, *, device="cpu", chunk=1024):
+    """``(o, S_T)`` computed in float64 from the given (possibly low-precision) inputs.
 
-    return quadratic(up(q), up(k), up(v), up(initial_state))
+    Runs on ``device`` (the CPU by default). Sequences longer than ``chunk`` are processed
+    chunk by chunk (the quadratic form inside a chunk, the state carried between chunks),
+    so memory stays O(chunk^2) instead of O(T^2).
+    """
+    def up(x):
+        return None if x is None else x.detach().to(device, torch.float64)
+
+    q, k, v, state = up(q), up(k), up(v), up(initial_state)
+    if q.shape[2] <= chunk:
+        return quadratic(q, k, v, state)
+    outputs = []
+    for start in range(0, q.shape[2], chunk):
+        part = slice(start, start + chunk)
+        o, state = quadratic(q[:, :, part], k[:, :, part], v[:, :, part], state)
+        outputs.append(o)
+    return torch.cat(outputs, dim=2), state
 
 
 def relative_error(out, ref) -> float:

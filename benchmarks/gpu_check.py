@@ -1,0 +1,306 @@
+"""Check and time every method on a CUDA GPU in one run; write the figures the notebooks show.
+
+    python benchmarks/gpu_check.py                  # everything, results in benchmarks/results/
+    python benchmarks/gpu_check.py --out DIR --parts shapes,sweep --methods chunked,scan
+
+Parts (``--parts``, comma-separated, default all):
+  ceilings   device-to-device copy bandwidth (the memory floor of a forward pass)
+  tune       every candidate config of each kernel (its TUNING_CANDIDATES) at the issue shapes
+  shapes     the issue shapes: each method and fla side by side, forward and forward+backward,
+             with the relative error of each forward against a float64 reference
+  sweep      time versus T at (B, H, D, E) = (1, 8, 64, 64) for every method and softmax SDPA
+  precision  float32 tl.dot error with TF32 and with IEEE inputs (notebook 03)
+
+Timings are medians of ``triton.testing.do_bench``; inputs are bfloat16 with
+q, k ~ N(0, 1)/sqrt(D) and v ~ N(0, 1), layout (B, H, T, D) (fla gets (B, T, H, D), transposed
+outside the timed region, called with scale=1.0, normalize=False). Output: ``h200.json`` (or
+``<gpu>.json``) in ``ttx_tutorial/data``'s format, plus a table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
+
+ISSUE_SHAPES = [(8, 16, 4096, 64, 64), (8, 16, 4096, 128, 128), (1, 8, 65536, 64, 64),
+                (2, 16, 16384, 128, 128)]  # (B, H, T, D, E)
+KERNEL_METHODS = ["recurrent", "chunked", "scan"]
+SWEEP_T = [2**p for p in range(8, 17)]
+REFERENCE_LIMITS = {"loop": 2048, "cumsum": 16384, "quadratic": 32768}  # largest T timed (memory/time)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def median_ms(fn, warmup=25, rep=100):
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def load_fla():
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
+    except Exception as exc:  # fla is optional: record why it is missing
+        print(f"fla not available: {exc!r}")
+        return {}
+    return {"fla_chunk": chunk_linear_attn, "fla_fused_chunk": fused_chunk_linear_attn}
+
+
+def kernel_module(method):
+    return importlib.import_module(ttx_tutorial.method_info(method).target.split(":")[0])
+
+
+def kernel_function(method):
+    return ttx_tutorial.method_info(method).load()
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part=""):
+        row = {"shape": list(shape), "impl": impl, "mode": mode, "dtype": dtype,
+               "ms": None if ms is None else round(ms, 5),
+               "rel_err": None if rel_err is None else float(f"{rel_err:.3e}"),
+               "config": config, "part": part}
+        self.rows.append(row)
+        err = "" if rel_err is None else f"  err {rel_err:.1e}"
+        ms_text = "   n/a" if ms is None else f"{ms:9.4f}"
+        print(f"[{part}] {impl:28s} {mode:8s} {str(tuple(shape)):26s} {ms_text} ms{err}  {config or ''}",
+              flush=True)
+
+
+def make_inputs(shape, dtype=torch.bfloat16, requires_grad=False, seed=0):
+    B, H, T, D, E = shape
+    return random_inputs(B, H, T, D, E, dtype=dtype, device="cuda", seed=seed, requires_grad=requires_grad)
+
+
+def forward_error(fn, q, k, v):
+    """Relative error of fn's output on a slice (batch 0, up to 2 heads) against float64."""
+    o = fn(q, k, v)
+    heads = slice(0, min(2, q.shape[1]))
+    ref, _ = reference(q[:1, heads], k[:1, heads], v[:1, heads], device="cuda", chunk=2048)
+    return relative_error(o[:1, heads], ref)
+
+
+def time_modes(rec, shape, impl, fn, part, config=None, with_backward=True, check=True):
+    """Time fn(q, k, v) -> o forward, and forward+backward, and record both."""
+    q, k, v = make_inputs(shape)
+    err = forward_error(fn, q, k, v) if check else None
+    ms = median_ms(lambda: fn(q, k, v))
+    rec.add(shape, impl, "fwd", "bf16", ms, err, config, part)
+    if not with_backward:
+        return ms, None
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+    grad_out = torch.randn(*shape[:3], v.shape[-1], device="cuda", dtype=v.dtype)
+
+    def step():
+        fn(qg, kg, vg).backward(grad_out)
+
+    ms_bwd = float(do_bench(step, warmup=25, rep=100, grad_to_none=[qg, kg, vg], return_mode="median"))
+    rec.add(shape, impl, "fwd+bwd", "bf16", ms_bwd, None, config, part)
+    return ms, ms_bwd
+
+
+def ours(method, config=None):
+    """The public API, or the kernel function itself with an explicit config (tuning)."""
+    if config is None:
+        return lambda q, k, v: ttx_tutorial.causal_product(q, k, v, method)
+    fn = kernel_function(method)
+    return lambda q, k, v: fn(q, k, v, None, config=config)[0]
+
+
+def fla_wrapped(fla_fn):
+    def run(q, k, v):
+        return fla_fn(q, k, v, scale=1.0, normalize=False)[0]
+
+    def call(q, k, v):  # (B, H, T, D) -> fla's (B, T, H, D) outside the timed region
+        return run(*(x.transpose(1, 2).contiguous().detach().requires_grad_(x.requires_grad) for x in (q, k, v)))
+
+    return run, call
+
+
+def part_ceilings(rec, env):
+    n = 1 << 28  # 1 GiB of float32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    env["copy_TBps"] = round(2 * src.numel() * 4 / (ms * 1e-3) / 1e12, 3)
+    print(f"device-to-device copy: {env['copy_TBps']} TB/s (read + write)")
+    del src, dst
+
+
+def part_tune(rec, methods, shapes):
+    best = {}
+    for method in methods:
+        module = kernel_module(method)
+        candidates = list(getattr(module, "TUNING_CANDIDATES", []))
+        for shape in shapes:
+            timings = []
+            for config in [None] + candidates:
+                try:
+                    ms, _ = time_modes(rec, shape, method, ours(method, config), "tune",
+                                       config=json.dumps(config) if config else "default",
+                                       with_backward=False, check=True)
+                    timings.append((ms, config))
+                except Exception as exc:
+                    print(f"[tune] {method} {shape} {config}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            if timings:
+                best[(method, shape)] = min(timings, key=lambda t: t[0])
+    print("\nbest forward config per (method, shape):")
+    for (method, shape), (ms, config) in best.items():
+        print(f"  {method:10s} {str(shape):24s} {ms:8.4f} ms  {config or 'default'}")
+
+
+def part_shapes(rec, methods, shapes, fla):
+    for shape in shapes:
+        for method in methods:
+            try:
+                time_modes(rec, shape, method, ours(method), "shapes")
+            except Exception as exc:
+                print(f"[shapes] {method} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+        for name, fla_fn in fla.items():
+            run, _ = fla_wrapped(fla_fn)
+            q, k, v = (x.transpose(1, 2).contiguous() for x in make_inputs(shape))
+            o = run(q, k, v)
+            heads = slice(0, min(2, q.shape[2]))
+            ref, _ = reference(*(x[:1, :, heads].transpose(1, 2) for x in (q, k, v)), device="cuda", chunk=2048)
+            err = relative_error(o[:1, :, heads].transpose(1, 2), ref)
+            rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(q, k, v)), err, None, "shapes")
+            qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+            grad_out = torch.randn_like(v)
+            ms = float(do_bench(lambda: run(qg, kg, vg).backward(grad_out), warmup=25, rep=100,
+                                grad_to_none=[qg, kg, vg], return_mode="median"))
+            rec.add(shape, name, "fwd+bwd", "bf16", ms, None, None, "shapes")
+
+
+def part_sweep(rec, methods, fla):
+    for T in SWEEP_T:
+        shape = (1, 8, T, 64, 64)
+        q, k, v = make_inputs(shape)
+        for name in ("loop", "cumsum", "quadratic"):
+            if T <= REFERENCE_LIMITS[name]:
+                fn = ttx_tutorial.method_info(name).load()
+                rep = 20 if name == "loop" else 100
+                rec.add(shape, name, "fwd", "bf16", median_ms(lambda: fn(q, k, v)[0], warmup=5, rep=rep),
+                        None, None, "sweep")
+        for method in methods:
+            fn = ours(method)
+            rec.add(shape, method, "fwd", "bf16", median_ms(lambda: fn(q, k, v)), None, None, "sweep")
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        rec.add(shape, "sdpa_softmax", "fwd", "bf16",
+                median_ms(lambda: sdpa(q, k, v, is_causal=True)), None, None, "sweep")
+        for name, fla_fn in fla.items():
+            run, _ = fla_wrapped(fla_fn)
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(qt, kt, vt)), None, None, "sweep")
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                IEEE: tl.constexpr):
+    offs_m, offs_k, offs_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :])
+    b = tl.load(b_ptr + offs_k[:, None] * N + offs_n[None, :])
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)  # float32 operands: TF32 on the GPU by default
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c)
+
+
+def part_precision(rec):
+    for size in (16, 64, 128):
+        a = torch.randn(size, size, device="cuda")
+        b = torch.randn(size, size, device="cuda")
+        ref = a.double() @ b.double()
+        for ieee, name in ((False, "dot_precision_tf32"), (True, "dot_precision_ieee")):
+            c = torch.empty(size, size, device="cuda")
+            _dot_kernel[(1,)](a, b, c, size, size, size, ieee)
+            rec.add((1, 1, size, size, size), name, "fwd", "fp32", None, relative_error(c, ref), None,
+                    "precision")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--parts", default="ceilings,tune,shapes,sweep,precision")
+    parser.add_argument("--methods", default=",".join(KERNEL_METHODS))
+    parser.add_argument("--shapes", default="", help="e.g. '8,16,4096,64;1,8,65536,64' (default: the issue shapes)")
+    args = parser.parse_args()
+    if not ttx_tutorial.on_gpu():
+        sys.exit("gpu_check.py needs a CUDA GPU (ttx_tutorial is in interpreter mode)")
+
+    parts = set(args.parts.split(","))
+    methods = [m for m in args.methods.split(",") if m]
+    shapes = ISSUE_SHAPES
+    if args.shapes:  # B,H,T,D[,E]
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+        shapes = [s if len(s) == 5 else s + (s[3],) for s in shapes]
+    props = torch.cuda.get_device_properties(0)
+    env = {"gpu": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+           "torch": torch.__version__, "triton": triton.__version__,
+           "python": sys.version.split()[0], "date": datetime.date.today().isoformat(),
+           "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])}
+    print(json.dumps(env))
+    fla = load_fla()
+    env["fla"] = importlib.import_module("fla").__version__ if fla else None
+    rec = Recorder()
+    started = time.time()
+    torch.manual_seed(0)
+    if "ceilings" in parts:
+        part_ceilings(rec, env)
+    if "precision" in parts:
+        part_precision(rec)
+    if "tune" in parts:
+        part_tune(rec, methods, shapes)
+    if "shapes" in parts:
+        part_shapes(rec, methods, shapes, fla)
+    if "sweep" in parts:
+        part_sweep(rec, methods, fla)
+    env["seconds"] = round(time.time() - started, 1)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "h200" if "H200" in env["gpu"] else env["gpu"].replace(" ", "_").lower()
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"env": env, "rows": rec.rows}, indent=1))
+    print(f"\nwrote {path} ({len(rec.rows)} rows, {env['seconds']} s)")
+    summary(rec.rows, env)
+
+
+def summary(rows, env):
+    """The issue shapes, best of ours against the best fla, forward and forward+backward."""
+    floor_bytes = lambda s: 2 * (2 * s[0] * s[1] * s[2] * s[3] + 2 * s[0] * s[1] * s[2] * s[4])  # noqa: E731
+    table = [r for r in rows if r["part"] == "shapes" and r["ms"] is not None]
+    if not table:
+        return
+    print(f"\n{'shape':24s} {'mode':8s} " + " ".join(f"{m:>10s}" for m in KERNEL_METHODS)
+          + f" {'fla best':>10s} {'speedup':>8s} {'floor':>7s}")
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in table):
+        for mode in ("fwd", "fwd+bwd"):
+            cells = {r["impl"]: r["ms"] for r in table if tuple(r["shape"]) == shape and r["mode"] == mode}
+            fla_best = min((ms for impl, ms in cells.items() if impl.startswith("fla")), default=math.nan)
+            our_best = min((cells[m] for m in KERNEL_METHODS if m in cells), default=math.nan)
+            floor = floor_bytes(shape) / (env.get("copy_TBps", 4.27) * 1e12) * 1e3 if mode == "fwd" else math.nan
+            print(f"{str(shape):24s} {mode:8s} " + " ".join(f"{cells.get(m, math.nan):10.4f}" for m in KERNEL_METHODS)
+                  + f" {fla_best:10.4f} {fla_best / our_best:8.2f} {floor:7.4f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
