@@ -212,27 +212,26 @@ def part_sweep(rec, methods, fla):
 
 @triton.jit
 def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                IEEE: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr):
     offs_m, offs_k, offs_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
     a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :])
     b = tl.load(b_ptr + offs_k[:, None] * N + offs_n[None, :])
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)  # float32 operands: TF32 on the GPU by default
+    c = tl.dot(a, b, input_precision=INPUT_PRECISION)
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c)
 
 
 def part_precision(rec):
-    for size in (16, 64, 128):
-        a = torch.randn(size, size, device="cuda")
-        b = torch.randn(size, size, device="cuda")
-        ref = a.double() @ b.double()
-        for ieee, name in ((False, "dot_precision_tf32"), (True, "dot_precision_ieee")):
-            c = torch.empty(size, size, device="cuda")
-            _dot_kernel[(1,)](a, b, c, size, size, size, ieee)
-            rec.add((1, 1, size, size, size), name, "fwd", "fp32", None, relative_error(c, ref), None,
-                    "precision")
+    """One float32 [64, 64] x [64, 64] tl.dot per input precision against float64 (notebook 03)."""
+    size = 64
+    torch.manual_seed(0)
+    a = torch.randn(size, size, device="cuda")
+    b = torch.randn(size, size, device="cuda")
+    ref = a.double() @ b.double()
+    for precision in ("tf32", "tf32x3", "ieee"):
+        c = torch.empty(size, size, device="cuda")
+        _dot_kernel[(1,)](a, b, c, size, size, size, precision)
+        rec.add((1, 1, size, size, size), f"dot_precision_{precision}", "fwd", "fp32", None,
+                relative_error(c, ref), f"input_precision={precision}", "precision")
 
 
 def main():
