@@ -1,0 +1,256 @@
+"""The recurrent Triton kernel (method "recurrent") against float64 references.
+
+Shapes are small and awkward on purpose: T = 0 and 1, D != E, D and E that are not powers of
+two, one of them near 256. Every output is allocated poisoned (NaN), so an element the kernel
+forgets to write fails the comparison.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ttx_tutorial
+from ttx_tutorial.kernels import recurrent
+from ttx_tutorial.references import quadratic
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (B, H, T, D, E)
+FORWARD_SHAPES = [
+    (1, 2, 0, 4, 3),     # empty sequence: o is empty, the final state is the initial one
+    (2, 1, 1, 5, 7),     # one token
+    (1, 2, 7, 24, 5),    # D != E, neither a power of two
+    (1, 1, 33, 16, 65),  # E just past a power of two
+    (1, 1, 5, 250, 3),   # D near 256
+    (1, 1, 3, 2, 256),   # E = 256
+]
+BACKWARD_SHAPES = [
+    (1, 1, 0, 3, 2),
+    (1, 2, 1, 5, 4),
+    (1, 1, 7, 24, 5),
+    (1, 1, 33, 9, 65),
+    (1, 1, 3, 250, 2),
+]
+
+
+def _shape_id(shape):
+    return "B{}H{}T{}D{}E{}".format(*shape)
+
+
+def _upstream_gradients(o_shape, state_shape, dtype, seed):
+    """Random gradients for o (representable in ``dtype``) and for the final state (float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    grad_o = torch.randn(o_shape, generator=generator).to(dtype)
+    grad_state = torch.randn(state_shape, generator=generator)
+    return grad_o.to(ttx_tutorial.DEVICE), grad_state.to(ttx_tutorial.DEVICE)
+
+
+def _float64_gradients(q, k, v, s0, grad_o, grad_state):
+    """d(loss)/d(q, k, v, s0) in float64 for loss = <o, grad_o> + <S_T, grad_state>."""
+    leaves = [None if x is None else x.detach().to("cpu", torch.float64).requires_grad_()
+              for x in (q, k, v, s0)]
+    o, final_state = quadratic(*leaves)
+    loss = (o * grad_o.cpu().double()).sum() + (final_state * grad_state.cpu().double()).sum()
+    loss.backward()
+    return [None if x is None else x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FORWARD_SHAPES, ids=_shape_id)
+def test_forward_matches_float64(shape, dtype, with_state):
+    q, k, v, s0 = random_inputs(*shape, dtype=dtype, seed=sum(shape), initial_state=True)
+    s0 = s0 if with_state else None
+    with poisoned_allocations():
+        o, final_state = ttx_tutorial.causal_product(q, k, v, "recurrent", initial_state=s0,
+                                                     return_state=True)
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert o.dtype == dtype and o.shape == ref_o.shape
+    assert final_state.dtype == torch.float32 and final_state.shape == ref_state.shape
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=_shape_id)
+def test_backward_matches_float64(shape, dtype, with_state):
+    q, k, v, s0 = random_inputs(*shape, dtype=dtype, seed=sum(shape) + 1, initial_state=True,
+                                requires_grad=True)
+    s0 = s0 if with_state else None
+    B, H, T, D, E = shape
+    grad_o, grad_state = _upstream_gradients((B, H, T, E), (B, H, D, E), dtype, seed=T)
+    with poisoned_allocations():
+        o, final_state = recurrent.recurrent_causal_product(q, k, v, s0)
+        torch.autograd.backward([o, final_state], [grad_o, grad_state])
+    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
+        if x is None:
+            continue
+        assert x.grad.dtype == x.dtype, name
+        assert_close(x.grad, ref, dtype, name)
+
+
+def test_non_contiguous_inputs_and_gradients():
+    """(B, T, H, D) storage seen as (B, H, T, D), a transposed initial state, a strided dO."""
+    B, H, T, D, E = 2, 3, 9, 6, 5
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        x = torch.randn(*shape, generator=generator) / D ** 0.5
+        return x.to(ttx_tutorial.DEVICE).requires_grad_()
+
+    q_bthd, k_bthd, v_bthe = leaf(B, T, H, D), leaf(B, T, H, D), leaf(B, T, H, E)
+    s0_bhed = leaf(B, H, E, D)
+    q, k, v, s0 = q_bthd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthe.transpose(1, 2), s0_bhed.mT
+    assert not any(x.is_contiguous() for x in (q, k, v, s0))
+    grad_o_bthe, grad_state = _upstream_gradients((B, T, H, E), (B, H, D, E), torch.float32, seed=1)
+    with poisoned_allocations():
+        o, final_state = ttx_tutorial.causal_product(q, k, v, "recurrent", initial_state=s0,
+                                                     return_state=True)
+        # The gradient reaching o is itself a transposed view.
+        loss = (o.transpose(1, 2) * grad_o_bthe).sum() + (final_state * grad_state).sum()
+        loss.backward()
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert_close(o, ref_o, torch.float32, "o")
+    assert_close(final_state, ref_state, torch.float32, "final state")
+    expected = _float64_gradients(q, k, v, s0, grad_o_bthe.transpose(1, 2), grad_state)
+    for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q_bthd, k_bthd, v_bthe, s0_bhed), expected):
+        grad = x.grad.transpose(1, 2) if name != "dS0" else x.grad.mT
+        assert_close(grad, ref, torch.float32, name)
+
+
+@pytest.mark.parametrize("config", recurrent.TUNING_CANDIDATES, ids=lambda c: "-".join(map(str, c.values())))
+def test_tuning_candidates_are_correct(config):
+    """Every config the benchmark may pick: several value blocks, a partial last iteration."""
+    B, H, T, D, E = 1, 1, 11, 8, 20
+    q, k, v, s0 = random_inputs(B, H, T, D, E, dtype=torch.bfloat16, seed=3, initial_state=True,
+                                requires_grad=True)
+    grad_o, grad_state = _upstream_gradients((B, H, T, E), (B, H, D, E), torch.bfloat16, seed=4)
+    with poisoned_allocations():
+        o, final_state = recurrent.recurrent_causal_product(q, k, v, s0, config=config)
+        torch.autograd.backward([o, final_state], [grad_o, grad_state])
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert_close(o, ref_o, torch.bfloat16, "o")
+    assert_close(final_state, ref_state, torch.bfloat16, "final state")
+    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
+        assert_close(x.grad, ref, torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("used", ["o only", "final state only"])
+def test_gradient_when_one_output_is_unused(used):
+    q, k, v = random_inputs(1, 2, 6, 4, 3, seed=5, requires_grad=True)
+    o, final_state = recurrent.recurrent_causal_product(q, k, v)
+    grad_o, grad_state = _upstream_gradients(o.shape, final_state.shape, torch.float32, seed=6)
+    if used == "o only":
+        (o * grad_o).sum().backward()
+        grad_state = torch.zeros_like(grad_state)
+    else:
+        (final_state * grad_state).sum().backward()
+        grad_o = torch.zeros_like(grad_o)
+    expected = _float64_gradients(q, k, v, None, grad_o, grad_state)
+    for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), expected):
+        assert_close(x.grad, ref, torch.float32, name)
+
+
+def test_unknown_config_key_is_refused():
+    q, k, v = random_inputs(1, 1, 2, 4, seed=0)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_N": 4})
+
+
+def test_default_rule_fills_the_gpu():
+    """Few heads (1, 8, 65536, 64) get narrower value blocks than many heads (8, 16, 4096, 64)."""
+    few_heads = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
+    many_heads = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
+    assert few_heads["BLOCK_E"] == 2 and many_heads["BLOCK_E"] == 4
+    for D in (1, 16, 64, 100, 256):
+        for dtype in DTYPES:
+            cfg = recurrent.default_config(1, 1, D, 256, dtype, multiprocessors=132)
+            tile_bytes = 3 * recurrent._block_d(D) * cfg["BLOCK_E"] * dtype.itemsize
+            assert cfg["UNROLL"] * (cfg["num_stages"] - 1) * tile_bytes <= recurrent._SHARED_MEMORY_BUDGET
+
+
+def _run_without_interpreter(script):
+    """Run ``script`` in a fresh Python with the real compiler: under TRITON_INTERPRET=1, tl.sum and
+    the rest of triton.language's @jit helpers are interpreted functions the compiler cannot inline."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_launch_variants_compile_for_sm90():
+    result = _run_without_interpreter("""
+        import ttx_tutorial
+        from ttx_tutorial import compiler
+        from ttx_tutorial.kernels import recurrent
+
+        variants = recurrent.launch_variants()
+        for variant in variants:
+            result = compiler.compile_variant(variant, target="sm_90")
+            assert result.ok, result.summary()
+            assert result.fits_shared_memory(), result.summary()
+        print("compiled", len(variants))
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "compiled" in result.stdout
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+def test_default_bf16_launch_pipelines_every_load(with_state):
+    """The performance-critical shape of the compiled kernel (see "Fragile" in the module docstring).
+
+    Compiled as the forward launch on aligned (B, H, T, 64) bf16 tensors is specialised, every
+    per-token load in the loop must be an asynchronous copy, and the state's layout must give
+    each thread 8 contiguous D elements, so that the sum over D needs only 3 warp shuffles."""
+    result = _run_without_interpreter(f"""
+        import re
+        import torch, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import ttx_tutorial
+        from ttx_tutorial.kernels import recurrent
+
+        cfg = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
+        signature = recurrent._signature(torch.bfloat16)
+        names = list(signature)
+        constexprs = {{"BLOCK_D": 64, "BLOCK_E": cfg["BLOCK_E"], "UNROLL": cfg["UNROLL"],
+                       "NUM_STAGES": cfg["num_stages"]}}
+        # What the launcher specialises: integers equal to 1 (unit strides, including the D
+        # stride the wrapper gives every state, and the flags that are on) become constants;
+        # pointers and the other integers, all multiples of 16 here (or 0), divisible by 16.
+        ones = ["stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_s0d", "store_final_state"]
+        ones += ["has_initial_state"] if {with_state} else []
+        for name in ones:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        divisible = [i for i, n in enumerate(names) if signature[n] != "constexpr" and n != "T"]
+        attrs = {{(i,): [["tt.divisibility", 16]] for i in divisible}}
+        source = ASTSource(recurrent.recurrent_kernel, signature=signature, constexprs=constexprs,
+                           attrs=attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={{"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
+        lines = compiled.asm["ttgir"].splitlines()
+        start = next(i for i, line in enumerate(lines) if "scf.for" in line)
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        end = next(i for i in range(start + 1, len(lines))
+                   if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+        loop = "\\n".join(lines[start:end])
+        layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
+        reduced = re.findall(r'"tt\\.reduce".*?\\}}\\) : \\(tensor<\\w+, (#\\w+)>', loop, re.S)
+        print("plain loads in the loop:", loop.count("tt.load "))
+        print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
+        print("reduced layouts:", sorted({{layouts[name] for name in reduced}}))
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stdout
+    assert "plain loads in the loop: 0" in report, report
+    assert "asynchronous copies in the loop: 0" not in report, report
+    expected_layout = "reduced layouts: ['#ttg.blocked<{sizePerThread = [8, 1], threadsPerWarp = [8, 4]"
+    assert expected_layout in report, report
