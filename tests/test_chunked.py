@@ -1,0 +1,256 @@
+"""The chunked kernel family: forward, backward and compilation, against float64 references.
+
+Most cases pass ``SMALL_CHUNKS`` (16-token chunks, 16-column value blocks) so that the CPU
+interpreter stays quick and several chunks are crossed; the cases through ``causal_product``
+use the wrapper's own rule.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import ttx_tutorial
+from ttx_tutorial.kernels import chunked
+from ttx_tutorial.references import quadratic
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SMALL_CHUNKS = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}
+C = SMALL_CHUNKS["CHUNK"]
+
+# (T, D, E, with initial state): empty, one token, either side of a chunk boundary, a partial
+# third chunk; D != E, sizes that are not powers of two, and one near the 256 limit.
+SHAPES = [
+    (0, 5, 7, True),
+    (1, 5, 7, False),
+    (C - 1, 24, 5, True),
+    (C + 1, 16, 33, False),
+    (2 * C + 3, 65, 24, True),
+    (C + 3, 256, 250, False),
+]
+
+
+def _ids(shape):
+    T, D, E, with_state = shape
+    return f"T{T}-D{D}-E{E}" + ("-S0" if with_state else "")
+
+
+def _reference_gradients(q, k, v, initial_state, grad_o, grad_final_state):
+    """d(q, k, v, S_0) of sum(o * grad_o) + sum(S_T * grad_final_state), by float64 autograd
+    on the CPU."""
+    def up(x):
+        return x.detach().to("cpu", torch.float64)
+
+    leaves = [up(x).requires_grad_() for x in (q, k, v, initial_state)]
+    o, final_state = quadratic(*leaves)
+    torch.autograd.backward((o, final_state), (up(grad_o), up(grad_final_state)))
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_forward_matches_float64_reference(shape, dtype, device):
+    T, D, E, with_state = shape
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=T + D, initial_state=True)
+    s0 = s0 if with_state else None
+    with poisoned_allocations():
+        o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert o.dtype == dtype and final_state.dtype == torch.float32
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=_ids)
+def test_gradients_match_float64_autograd(shape, dtype, device):
+    T, D, E, with_state = shape
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=T + E,
+                                initial_state=True, requires_grad=True)
+    s0 = s0 if with_state else None
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    grad_final_state = torch.randn(1, 2, D, E, generator=torch.Generator().manual_seed(2)).to(device)
+    with poisoned_allocations():
+        o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+        torch.autograd.backward((o, final_state), (grad_o, grad_final_state))
+    ref_s0 = torch.zeros(1, 2, D, E) if s0 is None else s0
+    expected = _reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)
+    for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), expected):
+        assert x.grad.dtype == dtype
+        assert_close(x.grad, ref, dtype, name)
+    if s0 is not None:
+        assert s0.grad.dtype == torch.float32
+        assert_close(s0.grad, expected[3], dtype, "d initial state")
+
+
+def test_gradients_only_for_inputs_that_need_them(device):
+    """Only k needs a gradient: the other passes are skipped and dk is still right."""
+    q, k, v, s0 = random_inputs(1, 1, 2 * C + 3, 8, 12, device=device, seed=3, initial_state=True)
+    k.requires_grad_()
+    o, _ = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+    o.sum().backward()
+    expected = _reference_gradients(q, k, v, s0, torch.ones_like(o), torch.zeros_like(s0))
+    assert q.grad is None and v.grad is None
+    assert_close(k.grad, expected[1], torch.float32, "dk")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_contiguous_inputs(dtype, device):
+    """q in (B, T, H, D) memory order, k every other token, v a slice of wider rows."""
+    B, H, T, D, E = 2, 3, 2 * C + 5, 12, 20
+    generator = torch.Generator().manual_seed(4)
+
+    def draw(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.3).to(device, dtype)
+
+    q = draw(B, T, H, D).transpose(1, 2)
+    k = draw(B, H, 2 * T, D)[:, :, ::2]
+    v = draw(B, H, T, E + 9)[..., 3:3 + E]
+    s0 = torch.randn(B, H, E, D, generator=generator).to(device).transpose(-1, -2)
+    for x in (q, k, v, s0):
+        assert not x.is_contiguous()
+        x.requires_grad_()
+    o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+    # o.sum() gives a gradient with stride 0 along every axis.
+    (o.sum() + final_state.sum()).backward()
+    expected = _reference_gradients(q, k, v, s0, torch.ones(B, H, T, E), torch.ones(B, H, D, E))
+    for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
+        assert_close(x.grad, ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_causal_product_api_with_the_default_rule(dtype, device):
+    """Through ttx_tutorial.causal_product, with the wrapper's own configuration (D != E, so the
+    backward passes, which swap D and E, choose their own), forward and backward."""
+    q, k, v, s0 = random_inputs(1, 2, 130, 32, 48, dtype=dtype, device=device, seed=5,
+                                initial_state=True, requires_grad=True)
+    with poisoned_allocations():
+        o, final_state = ttx_tutorial.causal_product(q, k, v, method="chunked", initial_state=s0,
+                                                     return_state=True)
+        (o.float().square().sum() + final_state.sum()).backward()
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+    expected = _reference_gradients(q, k, v, s0, 2 * o.detach().float(), torch.ones_like(ref_state))
+    for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
+        assert_close(x.grad, ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("beyond", ["state", "scores"])
+def test_intermediates_beyond_float16_range(beyond, dtype, device):
+    """A state of ~1e5, or scores q.k of 1.6e5, exceed float16's 65504 while the inputs and the
+    outputs fit: the kernel must not round them to float16 (float16 inputs) on the way."""
+    B, H, T, D, E = 1, 1, C + 4, 4, 16
+    generator = torch.Generator().manual_seed(6)
+    if beyond == "state":
+        q = torch.randn(B, H, T, D, generator=generator).mul(1e-3).to(device, dtype)
+        k = torch.randn(B, H, T, D, generator=generator).to(device, dtype)
+        v = torch.randn(B, H, T, E, generator=generator).to(device, dtype)
+        s0 = torch.randn(B, H, D, E, generator=generator).mul(1e5).to(device)
+    else:
+        q = torch.full((B, H, T, D), 200.0, dtype=dtype, device=device)
+        k = torch.full((B, H, T, D), 200.0, dtype=dtype, device=device)
+        v = torch.randn(B, H, T, E, generator=generator).mul(1e-4).to(device, dtype)
+        s0 = None
+    o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert ref_o.abs().max() < 6e4  # the true output fits float16
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+
+
+def test_unknown_config_key_is_refused(device):
+    q, k, v = random_inputs(1, 1, 4, 8, dtype=torch.float32, device=device, seed=8)
+    with pytest.raises(ValueError, match="BLOCK_e"):
+        chunked.chunked_causal_product(q, k, v, config={"BLOCK_e": 32})
+
+
+@pytest.mark.parametrize("shared_memory", [chunked.HOPPER_SHARED_MEMORY, 166912, 101376])
+def test_default_config_fits_the_shared_memory_it_is_given(shared_memory):
+    """H100/H200, A100 and RTX 4090 budgets: the rule's own estimate must fit each."""
+    for dtype in DTYPES:
+        for D in (1, 16, 100, 128, 256):
+            for E in (1, 64, 256):
+                config = chunked.default_config(D, E, dtype, shared_memory=shared_memory)
+                assert chunked._shared_memory_estimate(chunked._block(D), config, dtype) <= shared_memory
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_default_config_splits_value_blocks_only_for_few_heads(dtype):
+    """With fewer programs than half the multiprocessors the value block is halved (down to 32
+    columns); with many heads it is left whole, so that q and k are read once per head."""
+    for D, E in ((64, 64), (128, 128), (100, 200)):
+        whole = chunked.default_config(D, E, dtype)["BLOCK_E"]
+        assert chunked.default_config(D, E, dtype, heads=1024, multiprocessors=132)["BLOCK_E"] == whole
+        for heads in (1, 8, 32, 64):
+            block_e = chunked.default_config(D, E, dtype, heads=heads, multiprocessors=132)["BLOCK_E"]
+            assert block_e <= whole
+            assert block_e == 32 or 2 * heads * triton.cdiv(E, block_e) >= 132
+
+
+def _variant_id(variant):
+    c = variant["constexprs"]
+    return (f"{variant['signature']['q_ptr'][1:]}-D{c['BLOCK_D']}-E{c['BLOCK_E']}-C{c['CHUNK']}"
+            f"-w{variant['num_warps']}-s{variant['num_stages']}")
+
+
+# Run in a child process with TRITON_INTERPRET=0: there @triton.jit gives the real JITFunction,
+# and nothing an interpreted kernel patched into triton.language in this session (a call to a
+# jit library function patches it for good) can reach the compiler. Each variant is compiled as
+# a launch on contiguous, 16-byte-aligned tensors with D and E multiples of 16 specialises it
+# (unit strides become constants; pointers, D, E and the other q, k, v, o strides are divisible
+# by 16): only then are the loads vectorised into pipelined asynchronous copies, which take
+# num_stages buffers of shared memory.
+_COMPILE_ALL_FOR_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ttx_tutorial.kernels import chunked
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe")
+results = []
+for variant in chunked.launch_variants():
+    signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
+    for name in UNIT_STRIDES:
+        signature[name], constexprs[name] = "constexpr", 1
+    aligned = [i for i, (name, kind) in enumerate(signature.items())
+               if kind.startswith("*") or name in ("D", "E")
+               or (kind == "i32" and name[:8] in ("stride_q", "stride_k", "stride_v", "stride_o"))]
+    source = ASTSource(variant["kernel"], signature=signature, constexprs=constexprs,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    try:
+        options = {"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        results.append({"shared": compiled.metadata.shared,
+                        "async_copies": "cp.async" in compiled.asm["ptx"]})
+    except Exception as error:
+        results.append({"error": repr(error)[-500:]})
+print(json.dumps(results))
+"""
+
+
+def test_launch_variants_compile_for_sm90_within_shared_memory():
+    """Each launch compiles for an H100/H200, pipelines its loads as asynchronous copies when it
+    has more than one stage, and fits the shared memory (else it fails at launch)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-c", _COMPILE_ALL_FOR_SM90], capture_output=True, text=True,
+                           env=env, cwd=root, timeout=1800)
+    assert child.returncode == 0, child.stderr[-4000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    variants = chunked.launch_variants()
+    assert len(results) == len(variants)
+    problems = [(_variant_id(v), r) for v, r in zip(variants, results)
+                if "error" in r or r["shared"] > chunked.HOPPER_SHARED_MEMORY
+                or r["async_copies"] != (v["num_stages"] > 1)]
+    assert not problems, problems

@@ -1,0 +1,247 @@
+"""The "scan" method (ttx_tutorial/kernels/scan.py) against float64 references.
+
+Every case checks the output, the final state and the gradients of q, k, v and the initial
+state, with NaN-poisoned allocations so that an element no kernel writes fails the comparison.
+Most cases force short chunks and segments through ``config``, so that a few dozen tokens
+already cross chunk and segment boundaries (partial last chunk, partial last segment, several
+segments, one segment) and the interpreter stays fast; a few use the wrapper's own rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ttx_tutorial
+from ttx_tutorial.kernels import scan
+from ttx_tutorial.references import quadratic
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CHUNK = 16
+SHORT = {"CHUNK": CHUNK, "SEGMENT_LEN": 2 * CHUNK}   # segments of two chunks
+
+
+def loss_weights(o, final_state, seed):
+    """Random cotangents for o (in its dtype) and for the final state (float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    grad_o = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype)
+    grad_state = torch.randn(final_state.shape, generator=generator, dtype=torch.float64).float()
+    return grad_o.to(o.device), grad_state.to(final_state.device)
+
+
+def check_against_float64(q, k, v, initial_state, run, *, dtype, seed=0):
+    """``run(q, k, v, s0) -> (o, S_T)``: its outputs and gradients must match float64 autograd."""
+    leaves = [x for x in (q, k, v, initial_state) if x is not None]
+    with poisoned_allocations():
+        o, final_state = run(q, k, v, initial_state)
+        grad_o, grad_state = loss_weights(o, final_state, seed)
+        grads = torch.autograd.grad((o, final_state), leaves, (grad_o, grad_state))
+
+    # The states never leave float32, and products of 16-bit inputs are exact in float32, so the
+    # final state and the gradient of the initial state meet float32's tolerance in every dtype.
+    ref_o, ref_state = reference(q, k, v, initial_state)
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, F32, "final state")
+
+    ref_leaves = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    ref_initial = ref_leaves[3] if initial_state is not None else None
+    ref_o, ref_state = quadratic(*ref_leaves[:3], ref_initial)
+    ref_grads = torch.autograd.grad((ref_o, ref_state), ref_leaves,
+                                    (grad_o.cpu().double(), grad_state.cpu().double()))
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "d initial state"), grads, ref_grads):
+        assert grad.shape == ref_grad.shape, name
+        assert_close(grad, ref_grad, F32 if name == "d initial state" else dtype, name)
+
+
+def scan_with(config):
+    return lambda q, k, v, s0: scan.scan_causal_product(q, k, v, s0, config=config)
+
+
+# (dtype, B, H, T, D, E, config, with initial state)
+CASES = [
+    pytest.param(F32, 1, 2, 0, 5, 24, SHORT, True, id="T=0"),
+    pytest.param(BF16, 1, 1, 1, 24, 5, SHORT, True, id="T=1"),
+    pytest.param(F16, 1, 2, CHUNK - 1, 5, 24, SHORT, False, id="T=C-1"),
+    pytest.param(F32, 1, 2, CHUNK + 1, 24, 5, SHORT, True, id="T=C+1"),
+    pytest.param(BF16, 2, 1, 2 * CHUNK + 3, 65, 24, SHORT, True, id="T=L+3-D=65"),
+    pytest.param(F16, 1, 2, 5 * CHUNK + 7, 24, 65, SHORT, True, id="3-segments-partial-E=65"),
+    pytest.param(F32, 1, 1, 5 * CHUNK + 7, 65, 5, {"CHUNK": CHUNK, "SEGMENT_LEN": 3 * CHUNK}, False,
+                 id="2-segments-of-3-chunks"),
+    pytest.param(BF16, 1, 1, 20, 256, 3, {"CHUNK": CHUNK, "SEGMENT_LEN": CHUNK}, True, id="D=256"),
+    pytest.param(F16, 1, 1, 20, 3, 250, SHORT, True, id="E=250-several-value-blocks"),
+    pytest.param(F32, 1, 1, 40, 24, 70, {**SHORT, "BLOCK_E": 16}, True, id="E=70-BLOCK_E=16"),
+]
+# The wrapper's own rule; under the interpreter it cuts work as for 132 SMs, so these cross
+# segment boundaries too (checked below).
+DEFAULT_RULE_CASES = [(BF16, 1, 2, 300, 16, 16), (F16, 1, 1, 200, 5, 24), (F32, 1, 1, 130, 24, 5)]
+CASES += [pytest.param(dtype, B, H, T, D, E, None, dtype != F32, id=f"default-rule-{dtype}")
+          for dtype, B, H, T, D, E in DEFAULT_RULE_CASES]
+
+
+@pytest.mark.parametrize("dtype, B, H, T, D, E, config, with_state", CASES)
+def test_outputs_state_and_gradients_match_float64(dtype, B, H, T, D, E, config, with_state):
+    q, k, v, s0 = random_inputs(B, H, T, D, E, dtype=dtype, seed=T * 1000 + D * 10 + E,
+                                initial_state=True, requires_grad=True)
+    check_against_float64(q, k, v, s0 if with_state else None, scan_with(config), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, B, H, T, D, E", DEFAULT_RULE_CASES)
+def test_default_rule_cases_cross_segments(dtype, B, H, T, D, E):
+    """Else the default-rule cases would silently test a single segment."""
+    q = torch.empty(B, H, T, D, dtype=dtype)
+    v = torch.empty(B, H, T, E, dtype=dtype)
+    length = scan._resolve_config(q, v, None)["SEGMENT_LEN"]
+    assert -(-T // length) >= 2
+
+
+def test_scan_carries_across_blocks_of_segments():
+    """More segments than one step of pass 2 scans (BLOCK_W), so its running carry matters,
+    forward and reverse (the backward scans suffix sums)."""
+    segments = scan._SCAN_BLOCK_W + 3
+    T = segments * CHUNK - 5
+    q, k, v, s0 = random_inputs(1, 1, T, 3, 4, dtype=F32, seed=7, initial_state=True, requires_grad=True)
+    config = {"CHUNK": CHUNK, "SEGMENT_LEN": CHUNK}
+    assert -(-T // config["SEGMENT_LEN"]) == segments
+    check_against_float64(q, k, v, s0, scan_with(config), dtype=F32)
+
+
+def test_non_contiguous_inputs():
+    """Strided views everywhere: T-major layouts, a stride-2 head dimension, a transposed state."""
+    B, H, T, D, E = 2, 2, 45, 6, 5
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, H, D, generator=generator).transpose(1, 2)             # (B, H, T, D), T-major
+    k = torch.randn(B, H, T, 2 * D, generator=generator)[..., ::2]              # stride 2 along D
+    v = torch.randn(B, H, E, T, generator=generator).transpose(-1, -2)          # stride 1 along T
+    s0 = torch.randn(B, H, E, D, generator=generator).transpose(-1, -2)         # (B, H, D, E) transposed
+    leaves = [x.to(ttx_tutorial.DEVICE, F32).requires_grad_() for x in (q, k, v, s0)]
+    assert not any(x.is_contiguous() for x in leaves)
+    check_against_float64(*leaves, scan_with(SHORT), dtype=F32)
+
+
+@pytest.mark.parametrize("used", ["o", "final state"])
+def test_gradient_of_one_output_alone(used):
+    """Autograd hands the backward None for an output the loss does not use."""
+    q, k, v, s0 = random_inputs(1, 1, 40, 7, 9, dtype=F32, seed=11, initial_state=True,
+                                requires_grad=True)
+    with poisoned_allocations():
+        o, final_state = scan.scan_causal_product(q, k, v, s0, config=SHORT)
+        output = o if used == "o" else final_state
+        grads = torch.autograd.grad(output.sum(), (q, k, v, s0))
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
+    ref_o, ref_state = quadratic(*ref_leaves)
+    ref_grads = torch.autograd.grad((ref_o if used == "o" else ref_state).sum(), ref_leaves,
+                                    allow_unused=True, materialize_grads=True)  # S_T ignores q
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "d initial state"), grads, ref_grads):
+        assert_close(grad, ref_grad, F32, name)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_through_causal_product(dtype):
+    """The public entry point, with its own validation and the wrapper's default rule."""
+    q, k, v, s0 = random_inputs(1, 2, 150, 12, 20, dtype=dtype, seed=5, initial_state=True,
+                                requires_grad=True)
+
+    def run(q, k, v, s0):
+        return ttx_tutorial.causal_product(q, k, v, method="scan", initial_state=s0, return_state=True)
+
+    check_against_float64(q, k, v, s0, run, dtype=dtype)
+
+
+def test_segment_length_rule_on_the_main_benchmark_shape():
+    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 3
+    at least two programs per SM of an H200 and keep the float32 states' traffic (each written
+    and read about four times) under a quarter of the q, k, v, o traffic."""
+    B, H, T, D, E, sm_count = 1, 8, 65536, 64, 64, 132
+    blocks = scan._default_blocks(D, E, BF16)
+    e_blocks = -(-E // blocks["BLOCK_E"])
+    length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count)
+    segments = -(-T // length)
+    assert length % blocks["CHUNK"] == 0
+    assert B * H * segments * e_blocks >= 2 * sm_count
+    state_bytes = 4 * B * H * segments * D * E * 4
+    token_bytes = B * H * T * (2 * D + 2 * E) * 2
+    assert state_bytes <= token_bytes / 4
+
+
+def test_config_is_checked():
+    q, k, v = random_inputs(1, 1, 20, 4, 4, dtype=F32, seed=0)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        scan.scan_causal_product(q, k, v, config={"BLOCK_T": 16})
+    with pytest.raises(ValueError, match="multiple of CHUNK"):
+        scan.scan_causal_product(q, k, v, config={"CHUNK": 16, "SEGMENT_LEN": 24})
+    with pytest.raises(ValueError, match="power of two"):
+        scan.scan_causal_product(q, k, v, config={"BLOCK_E": 24})
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_tuning_candidates_are_valid_configs(dtype):
+    for candidate in scan.TUNING_CANDIDATES:
+        for head_dim in (64, 128):
+            q = torch.empty(1, 8, 65536, head_dim, dtype=dtype)
+            resolved = scan._resolve_config(q, q, candidate)
+            assert resolved["SEGMENT_LEN"] % resolved["CHUNK"] == 0
+
+
+# --------------------------------------------------------------------------- GPU compiler
+
+def _main_variants(variants):
+    """The launches of the benchmark shapes (bfloat16, D = E = 64 and 128, the default rule):
+    passes 1 and 3 forward and reverse, and the scan of pass 2."""
+    wanted = set()
+    for head_dim in (64, 128):
+        rule = scan._default_blocks(head_dim, head_dim, BF16)
+        wanted.add((head_dim, rule["BLOCK_E"], rule["CHUNK"], rule["num_warps"], rule["num_stages"]))
+    chosen = []
+    for variant in variants:
+        constexprs = variant["constexprs"]
+        if "CHUNK" not in constexprs:  # the scan
+            chosen.append(variant)
+        elif (variant["signature"]["k_ptr"] == "*bf16"
+              and (constexprs["BLOCK_D"], constexprs["BLOCK_E"], constexprs["CHUNK"],
+                   variant["num_warps"], variant["num_stages"]) in wanted):
+            chosen.append(variant)
+    return chosen
+
+
+def _compile_main_variants():
+    """Run in a child without the interpreter: compile the chosen variants for sm_90."""
+    from ttx_tutorial import compiler
+
+    results = []
+    for variant in _main_variants(scan.launch_variants()):
+        result = compiler.compile_variant(variant, target="sm_90")
+        results.append({"kernel": result.kernel_name, "constexprs": str(variant["constexprs"]),
+                        "ok": result.ok, "message": result.message,
+                        "fits": result.ok and result.fits_shared_memory(),
+                        "opcodes": result.tensor_core_instructions() if result.ok else []})
+    print(json.dumps(results))
+
+
+def test_main_launches_compile_for_sm90_with_tensor_cores():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root,
+                           timeout=900)
+    assert child.returncode == 0, child.stderr[-4000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * 2 * 2 + 1  # head dims, directions, passes 1 and 3; the scan
+    kernels = {r["kernel"] for r in results}
+    assert kernels == {"_segment_summaries_kernel", "_segment_scan_kernel", "_segment_outputs_kernel"}
+    for r in results:
+        assert r["ok"], f"{r['kernel']} {r['constexprs']}: {r['message']}"
+        assert r["fits"], f"{r['kernel']} {r['constexprs']} needs more shared memory than sm_90 has"
+        if r["kernel"] != "_segment_scan_kernel":
+            assert any(op.startswith("wgmma") for op in r["opcodes"]), \
+                f"{r['kernel']} {r['constexprs']} does not use Hopper's wgmma: {r['opcodes']}"
+
+
+if __name__ == "__main__":
+    _compile_main_variants()

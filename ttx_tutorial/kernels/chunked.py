@@ -1,0 +1,357 @@
+"""Chunked causal dot product: tensor-core tiles inside a chunk, a float32 state between chunks.
+
+Algorithm (the "chunkwise" form of linear attention; Katharopoulos et al. 2020 give the
+recurrence, the chunked rewrite is the one fla's ``fused_chunk`` kernels use). Split the T tokens
+into chunks of C. With S_{c-1} the state after the previous chunk and M the causal mask
+(diagonal included),
+
+    O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c          (C x E)
+    S_c = S_{c-1} + K_c^T V_c                           (D x E)
+
+One program per (batch, head, block of E columns) walks the chunks in order and keeps its
+slice of S in float32 registers; every product above is a ``tl.dot``. When one value block
+covers E, reading q, k, v once and writing o once is all the memory traffic, so on a GPU the
+kernel runs near the bandwidth floor if the loads of the next chunks overlap the products of
+this one (``num_stages``: the loads feeding ``tl.dot`` become asynchronous copies).
+
+Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) float32.
+Any strides; any T >= 0 (a partial last chunk is masked); D and E from 1 to 256 (blocks are
+powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
+
+Backward: the same kernel, run three times. With dO the gradient of o and G that of S_T,
+
+    dQ   = forward product of (dO, V, K) from S_0^T
+    dK   = reverse product of (V, dO, Q) from G^T
+    dV   = reverse product of (K, Q, dO) from G, whose final state is dS_0
+
+where the reverse product (``reverse=1``) walks the chunks from last to first with the
+upper triangle of each chunk, so its state holds sum_{s >= t} k_s v_s^T.
+
+Precision: every product accumulates in float32.
+  float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
+  bfloat16 inputs: bfloat16 operands; the float32 state and scores are rounded to bfloat16 to
+      meet v and q (bfloat16 shares float32's exponent range).
+  float16 inputs: the state and the scores never become float16 (a long sequence of positive
+      features takes the state past float16's 65504); those two products take float32 operands
+      as TF32, whose 10-bit mantissa holds float16 inputs exactly.
+
+Checked on Triton 3.9's CPU interpreter, and by compiling every launch for sm_80 and sm_90 with
+Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
+  - per-(batch, head) offsets are int32: one head's slice of a tensor must span fewer than
+    2**31 elements;
+  - a config that needs more shared memory than the GPU has fails at launch (out of resources);
+  - the kernel calls Triton builtins only (no ``tl.cdiv``, ``tl.zeros``): library functions
+    written with ``@triton.jit`` become interpreted functions under ``TRITON_INTERPRET=1``, and
+    compiling this kernel for a GPU from such a session (the ``launch_variants`` check) would fail;
+  - the interpreter multiplies the bit patterns of bfloat16 ``tl.dot`` operands (Triton issue
+    #11584), hence ``WIDEN_DOT_OPERANDS``; it also rounds float32 to bfloat16 by truncation
+    where GPUs round to nearest, so bfloat16 errors on the CPU are about twice a GPU's.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunked_kernel(
+    q_ptr, k_ptr, v_ptr,            # inputs: q, k (B, H, T, D), v (B, H, T, E)
+    o_ptr,                          # output (B, H, T, E), dtype of v
+    initial_state_ptr,              # (B, H, D, E) float32, read when has_initial_state
+    final_state_ptr,                # (B, H, D, E) float32, written
+    T, H, D, E,
+    reverse,                        # 1: walk the chunks backwards, so o_t sees tokens s >= t
+    has_initial_state,              # 0: start from zeros (initial_state_ptr is then never read)
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
+    stride_sfb, stride_sfh, stride_sfd, stride_sfe,
+    BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
+    BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
+    CHUNK: tl.constexpr,            # tokens per chunk
+    WIDEN_DOT_OPERANDS: tl.constexpr,  # True only under the CPU interpreter, see below
+):
+    # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product.
+    # bfloat16 keeps float32's range, so bfloat16 inputs round them to bfloat16; float16 does
+    # not, so float16 inputs are promoted to float32 instead and multiplied as TF32.
+    INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    # Under the interpreter (see "Fragile" above) every operand is widened to float32 after its
+    # rounding, which gives the GPU's products exactly: a product of two bfloat16 or float16
+    # values is exact in float32.
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if WIDEN_DOT_OPERANDS else MIXED_DTYPE
+
+    # One flat grid, value blocks fastest: the programs sharing a head's q and k run together,
+    # so the second one finds them in L2, and B * H is not limited to 65535 as grid axis 1 is.
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E  # not tl.cdiv: see "Fragile" above
+    pid = tl.program_id(0)
+    pid_bh = pid // num_e_blocks
+    pid_e = pid % num_e_blocks
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_ptr += b * stride_qb + h * stride_qh
+    k_ptr += b * stride_kb + h * stride_kh
+    v_ptr += b * stride_vb + h * stride_vh
+    o_ptr += b * stride_ob + h * stride_oh
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, CHUNK)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    mask_de = mask_d[:, None] & mask_e[None, :]
+
+    b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    if has_initial_state:
+        initial_state_ptr += b * stride_s0b + h * stride_s0h
+        b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
+                          mask=mask_de, other=0.0).to(tl.float32)
+
+    # Inside a chunk, row i (token t) sees column j (token s) when s <= t, or s >= t in reverse.
+    # reverse and has_initial_state are runtime flags: they act outside the products, and one
+    # compiled kernel then serves the forward and backward passes (on a GPU, Triton still
+    # specialises the value 1 into a constant).
+    visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
+
+    num_chunks = (T + CHUNK - 1) // CHUNK
+    for i in range(num_chunks):
+        chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
+        offs_t = chunk * CHUNK + offs_c
+        mask_t = offs_t < T
+        # Zero rows past T contribute nothing to the scores or the state.
+        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
+        # k is loaded transposed, ready for both Q K^T and K^T V.
+        b_kt = tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_t[None, :] * stride_kt,
+                       mask=mask_d[:, None] & mask_t[None, :], other=0.0)         # [D, C]
+        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                      mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
+        if WIDEN_DOT_OPERANDS:
+            b_q = b_q.to(tl.float32)
+            b_kt = b_kt.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+
+        # O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c, then S_c = S_{c-1} + K_c^T V_c. In this order
+        # the state update is the last product of the loop, so the GPU leaves it running while the
+        # program stores O_c and issues the next loads (Triton waits on every other product at once).
+        b_scores = tl.dot(b_q, b_kt, input_precision=FLOAT32_PRECISION)           # [C, C]
+        b_scores = tl.where(visible, b_scores, 0.0)
+        b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), b_state.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                     input_precision=FLOAT32_PRECISION)                              # [C, E]
+        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE), acc=b_o,
+                     input_precision=FLOAT32_PRECISION)
+        b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
+
+        tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                 b_o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
+
+    final_state_ptr += b * stride_sfb + h * stride_sfh
+    tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
+             b_state, mask=mask_de)
+
+
+# Shared memory one program may use on an H100 or H200 (227 KiB): the default for the rule below
+# when no GPU is there to ask (the interpreter, and the compile checks of ``launch_variants``).
+HOPPER_SHARED_MEMORY = 232448
+
+_CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
+
+#: Configurations for a benchmark to sweep through ``config`` on bfloat16 inputs with
+#: D = E in {64, 128}. All fit an H100/H200's shared memory; compiled for sm_90 by Triton 3.6,
+#: only the 128-token chunks and the 128-column blocks at D = 128 spill (24 to 32 bytes a thread).
+#: Narrower value blocks give more programs per head at the price of re-reading q and k; longer
+#: chunks halve the number of sequential steps but quadruple the score tile; more stages keep
+#: more loads in flight.
+TUNING_CANDIDATES = [
+    {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_E": 64, "CHUNK": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_E": 128, "CHUNK": 64, "num_warps": 8, "num_stages": 3},
+]
+
+
+def _block(n):
+    """The power of two covering n, at least 16: the smallest ``tl.dot`` dimension on a GPU."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _shared_memory_estimate(block_d, config, dtype):
+    """Bytes of shared memory: ``num_stages`` chunks of q, k and v in flight, plus the state as a
+    product operand (counted at 4 bytes, as float16 inputs need)."""
+    chunk_bytes = config["CHUNK"] * (2 * block_d + config["BLOCK_E"]) * dtype.itemsize
+    return config["num_stages"] * chunk_bytes + block_d * config["BLOCK_E"] * 4
+
+
+def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=HOPPER_SHARED_MEMORY):
+    """The launch parameters the wrapper chooses for key size D, value size E and input dtype,
+    given B * H (``heads``) and the GPU's multiprocessors and shared memory (None: unknown).
+
+    Registers decide most of it: each thread holds BLOCK_D * BLOCK_E / (32 * num_warps) float32
+    values of the state, beside the output tile, the scores and the load addresses. The choices
+    below come from compiling the candidates for sm_90 with Triton 3.6 and 3.9 and reading
+    ptxas' register and stack use: the 16-bit ones spill at most 24 bytes a thread, float32 at
+    D > 64 up to 300.
+    - float32: IEEE products run on CUDA cores, where Triton keeps whole operand rows in
+      registers: 16 x 16 tiles (the minimum), 8 warps, and a single stage of loads at D > 128.
+    - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k are read once per
+      head up to E = 128), 32 at D > 128. While that leaves fewer programs than half the
+      multiprocessors (few long sequences), the block is halved down to 32 columns: the programs
+      of one head then share its q and k through L2 instead of leaving the GPU idle.
+    - bfloat16: 4 warps while the state takes at most 32 registers a thread, else 8.
+    - float16: 8 warps, and 32-token chunks for D > 64, because its TF32 products also hold
+      float32 copies of q, the state and the scores.
+    Then 3 stages of loads if shared memory allows, else 2; a GPU with less shared memory than
+    Hopper gets shorter chunks.
+    """
+    block_d = _block(D)
+    if dtype == torch.float32:
+        return {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 8, "num_stages": 2 if block_d <= 128 else 1}
+    block_e = min(max(64, _block(E)), 128) if block_d <= 128 else 32
+    if heads is not None and multiprocessors is not None:
+        while block_e > 32 and 2 * heads * triton.cdiv(E, block_e) < multiprocessors:
+            block_e //= 2
+    if dtype == torch.bfloat16:
+        config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4 if block_d * block_e <= 4096 else 8}
+    else:
+        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 8}
+    config["num_stages"] = 3
+    while _shared_memory_estimate(block_d, config, dtype) > shared_memory:
+        if config["num_stages"] > 2:
+            config["num_stages"] -= 1
+        elif config["CHUNK"] > 16:
+            config["CHUNK"] //= 2
+        else:
+            break
+    return config
+
+
+def _device_limits(device):
+    """(multiprocessors, shared memory per program) of a GPU; (None, Hopper's) elsewhere."""
+    if device.type != "cuda":
+        return None, HOPPER_SHARED_MEMORY
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.shared_memory_per_block_optin
+
+
+def _launch(q, k, v, initial_state, *, reverse, config):
+    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated."""
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    multiprocessors, shared_memory = _device_limits(q.device)
+    chosen = default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
+                            shared_memory=shared_memory)
+    if config is not None:
+        unknown = set(config) - set(_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+        chosen.update(config)
+    o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
+    # Always written, even where a backward pass discards it: B * H * D * E floats, against the
+    # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
+    final_state = torch.empty((B, H, D, E), dtype=torch.float32, device=v.device)
+    # Without an initial state, final_state stands in for its pointer; the kernel never reads it.
+    has_initial_state = initial_state is not None
+    initial_state = initial_state if has_initial_state else final_state
+    grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
+    _chunked_kernel[grid](
+        q, k, v, o, initial_state, final_state,
+        T, H, D, E, int(reverse), int(has_initial_state),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
+        BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
+        WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+        num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
+    )
+    return o, final_state
+
+
+class _ChunkedCausalProduct(torch.autograd.Function):
+    """Forward: one pass. Backward: three passes of the same kernel (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, config):
+        o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config)
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.config = config
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, initial_state = ctx.saved_tensors
+        needs_q, needs_k, needs_v, needs_initial_state, _ = ctx.needs_input_grad
+        grad_q = grad_k = grad_v = grad_initial_state = None
+        if needs_q:  # dq_t = sum_{s<=t} (dO_t . v_s) k_s + S_0 dO_t
+            initial_t = None if initial_state is None else initial_state.transpose(-1, -2)
+            grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config)
+        if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
+            grad_k, _ = _launch(v, grad_o, q, grad_final_state.transpose(-1, -2), reverse=True,
+                                config=ctx.config)
+        if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
+            grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
+                                                 config=ctx.config)
+        return (grad_q, grad_k, grad_v if needs_v else None,
+                grad_initial_state if needs_initial_state else None, None)
+
+
+def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
+    """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
+    initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
+    input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
+    config: optional dict overriding the block sizes / num_warps the wrapper would choose
+    (benchmarks sweep it); None means the wrapper's own rule.
+
+    config keys: BLOCK_E, CHUNK (powers of two >= 16), num_warps, num_stages; missing keys keep
+    the rule's value (``default_config``). The backward passes use the same config.
+    """
+    return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def launch_variants():
+    """Every kernel launch the wrappers can make: a list of dicts
+    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
+     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
+    covering each dtype and each config the wrapper's rule can choose. CI compiles them all for
+    sm_80 and sm_90 without a GPU.
+
+    The rule is enumerated for Hopper's shared memory, and ``TUNING_CANDIDATES`` are added for
+    bfloat16 with D = E in {64, 128}. Each entry serves forward and reverse passes, with or
+    without an initial state (those are runtime flags).
+    """
+    head_blocks = (16, 32, 64, 128, 256)
+    launches = set()
+    for dtype in _TRITON_DTYPES:
+        for block_d in head_blocks:
+            for block_e in head_blocks:
+                # many heads (no splitting), and a single head on an H100/H200 (the most)
+                for heads in (None, 1):
+                    config = default_config(block_d, block_e, dtype, heads=heads, multiprocessors=132)
+                    launches.add((dtype, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
+    for block_d in (64, 128):
+        for config in TUNING_CANDIDATES:
+            launches.add((torch.bfloat16, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
+    return [_variant(dtype, block_d, dict(zip(_CONFIG_KEYS, values)))
+            for dtype, block_d, values in sorted(launches, key=str)]
+
+
+def _variant(dtype, block_d, config):
+    input_type = "*" + _TRITON_DTYPES[dtype]
+    signature = {"q_ptr": input_type, "k_ptr": input_type, "v_ptr": input_type, "o_ptr": input_type,
+                 "initial_state_ptr": "*fp32", "final_state_ptr": "*fp32"}
+    for name in ("T", "H", "D", "E", "reverse", "has_initial_state"):
+        signature[name] = "i32"
+    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("o", "bhte"),
+                         ("s0", "bhde"), ("sf", "bhde")):
+        for axis in axes:
+            signature[f"stride_{tensor}{axis}"] = "i32"
+    constexprs = {"BLOCK_D": block_d, "BLOCK_E": config["BLOCK_E"], "CHUNK": config["CHUNK"],
+                  "WIDEN_DOT_OPERANDS": False}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return {"kernel": _chunked_kernel, "signature": signature, "constexprs": constexprs,
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}

@@ -1,0 +1,592 @@
+"""Scan causal dot product: segment states combined by a parallel prefix sum.
+
+Algorithm. The causal product's state is a prefix sum, S_t = S_0 + sum_{j <= t} k_j v_j^T, and a
+prefix sum of T terms need not be walked one term after another: cut the sequence into NS
+segments of L tokens, sum each segment on its own, scan the NS sums, and every segment knows
+where it starts (the "reduce, then scan, then propagate" prefix sum of Blelloch, "Prefix sums
+and their applications", 1990). Three kernels:
+
+  1. summaries, one program per (batch*head, segment, block of E):  U_s = sum_{c in s} K_c^T V_c,
+     walking the segment's chunks of C tokens on tensor-core tiles.
+  2. scan, one program per (batch*head, block of the D*E state entries):  P_s = S_0 + sum_{j<s} U_j
+     with ``tl.cumsum`` along the segment axis, BLOCK_W segments at a time with a running carry.
+  3. outputs, one program per (batch*head, segment, block of E): from P_s, the chunked form
+         O_c = Q_c S + ((Q_c K_c^T) * M) V_c,   then   S <- S + K_c^T V_c,
+     and the program of the last segment stores S_T.
+
+Passes 1 and 3 are independent across segments, so one long sequence with few heads still
+gives the GPU NS times more programs than a kernel that walks T in one program. The price is
+reading k and v twice and moving NS float32 states (D x E) through memory; the wrapper picks L
+so that both stay small (see ``_segment_length``). Pass 1 never sums the last segment: its sum
+only feeds S_T, which pass 3 produces anyway; with one segment passes 1 and 2 are skipped.
+
+Buffer layout. The start states live in a float32 buffer (B*H, NS, D, E) indexed by *walk
+position*: slot w holds the state the w-th walked segment starts from. Pass 1 writes the sum of
+the w-th walked segment into slot w + 1, pass 2 writes S_0 into slot 0 and replaces slots
+1..NS-1 by their inclusive prefix sums. Pass 2 does not know the walking direction.
+
+Backward. With dO the gradient of o and G that of S_T (zeros when unused):
+
+    dQ = forward product of (q=dO, k=V, v=K) from S_0^T  -- start states: the forward's, transposed
+    dV = reverse product of (q=K, k=Q, v=dO) from G      -- its final state is dS_0
+    dK = reverse product of (q=V, k=dO, v=Q) from G^T    -- start states: dV's, transposed
+
+``REVERSE=True`` walks segments and chunks from last to first with the upper triangle of the
+mask, so the state is a suffix sum. Transposes are free: the kernels take the strides of the
+states. The backward thus runs passes 1 and 2 once and pass 3 three times.
+
+Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) float32. Any
+strides; any T >= 0 (partial chunks and segments are masked); D and E from 1 to 256 (blocks are
+powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
+
+Precision: every product accumulates in float32.
+  float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
+  bfloat16 inputs: bfloat16 operands; the float32 state and scores are rounded to bfloat16 to
+      meet q and v (bfloat16 has float32's exponent range, so nothing overflows).
+  float16 inputs: the state and the scores never become float16 (a long sequence of positive
+      features takes the state past float16's 65504); those two products take float32 operands
+      as TF32, whose 10-bit mantissa holds float16 values exactly.
+
+Memory: the forward keeps its start states, B*H*NS*D*E float32, for the backward's dQ.
+
+Tested with Triton 3.9 (CPU interpreter, and compilation for sm_80 / sm_90 without a GPU, where
+ptxas reports no register spills for 16-bit inputs); written for Triton 3.6 on an H200. Fragile:
+  - the segment length only decides how the work is cut, never the result, but its default rule
+    counts SMs, so under the interpreter it assumes an H100/H200 (132);
+  - float32 inputs spill registers from BLOCK_D = 64 on (IEEE products keep whole operand rows
+    in registers); they are the exact path, not the fast one;
+  - the interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 bit patterns
+    in tl.dot; under it (INTERPRETED) the kernels round by hand and widen dot operands to
+    float32, so that the CPU computes what the GPU does;
+  - offsets inside one (batch, head, segment) are int32; a configuration needing more shared
+    memory than the GPU has fails at launch with an out-of-resources error.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(DTYPE), rounded to nearest even as on the GPU. Triton's interpreter truncates float32
+    to bfloat16, which would double the rounding errors our CPU tests see; so under it, round
+    the float32 bit pattern first (add half an ulp of bfloat16, ties to even, drop 16 bits)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _segment_summaries_kernel(
+    k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
+    T, D, E, H,
+    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    REVERSE: tl.constexpr,          # walk segments from last to first
+    BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
+    BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
+    CHUNK: tl.constexpr,            # tokens per tensor-core tile
+    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see pass 3
+):
+    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1), stored into slot w + 1."""
+    INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
+    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
+    # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
+    # second finds it in L2), and there is no 65535 limit as on grid axes 1 and 2. No program
+    # sums the last walked segment: its sum would only feed S_T, which pass 3 stores.
+    e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+    pid = tl.program_id(0)
+    e_block = pid % e_blocks
+    walk = (pid // e_blocks) % (n_segments - 1)
+    bh = pid // (e_blocks * (n_segments - 1))
+    b = bh // H
+    h = bh % H
+    if REVERSE:
+        segment = n_segments - 1 - walk
+    else:
+        segment = walk
+    segment_start = segment * segment_len
+    tokens = tl.minimum(segment_len, T - segment_start)
+
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    # int64 bases: B*H*T*D can pass 2**31 even when one segment's offsets cannot.
+    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
+    k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+    v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+
+    b_sum = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+    for chunk_start in range(0, tokens, CHUNK):
+        offs_t = chunk_start + offs_c
+        mask_t = offs_t < tokens
+        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                      mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        b_sum = tl.dot(tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc=b_sum,
+                       input_precision=FLOAT32_PRECISION)
+
+    slot = bh.to(tl.int64) * n_segments + walk + 1
+    states_ptr += slot * D * E
+    tl.store(states_ptr + offs_d[:, None] * E + offs_e[None, :], b_sum,
+             mask=mask_d[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _segment_scan_kernel(
+    states_ptr,                     # float32 (B*H, NS, D, E), contiguous; slots 1..NS-1 hold sums
+    initial_state_ptr,              # S_0 of the walk, read through its strides
+    D, E, H, n_segments,
+    stride_ib, stride_ih, stride_id, stride_ie,
+    BLOCK_W: tl.constexpr,          # segments scanned per step
+    BLOCK_N: tl.constexpr,          # state entries (of D*E) per program
+):
+    """Pass 2: slot w <- S_0 + slots 1..w, an inclusive prefix sum seeded with S_0 in slot 0."""
+    bh = tl.program_id(0)
+    n_block = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D * E
+    offs_w = tl.arange(0, BLOCK_W)
+
+    initial_state_ptr += b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih
+    b_carry = tl.load(initial_state_ptr + (offs_n // E) * stride_id + (offs_n % E) * stride_ie,
+                      mask=mask_n, other=0.0)
+    states_ptr += bh.to(tl.int64) * n_segments * D * E
+    tl.store(states_ptr + offs_n, b_carry, mask=mask_n)
+    for first_slot in range(1, n_segments, BLOCK_W):
+        slots = first_slot + offs_w
+        pointers = states_ptr + slots[:, None].to(tl.int64) * D * E + offs_n[None, :]
+        mask = (slots < n_segments)[:, None] & mask_n[None, :]
+        b_sums = tl.load(pointers, mask=mask, other=0.0)
+        # The scan of the method: BLOCK_W start states at once, each the carry plus a prefix sum.
+        tl.store(pointers, b_carry[None, :] + tl.cumsum(b_sums, axis=0), mask=mask)
+        b_carry += tl.sum(b_sums, axis=0)
+
+
+@triton.jit
+def _segment_outputs_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
+    final_state_ptr,                # float32 (B*H, D, E), contiguous
+    T, D, E, H,
+    segment_len, n_segments,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_sb, stride_sh, stride_sw, stride_sd, stride_se,
+    REVERSE: tl.constexpr,          # walk from last to first: o_t sees tokens j >= t
+    BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see below
+):
+    """Pass 3: the chunked causal product of one segment from its start state."""
+    INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    # The operand type that meets the float32 state and scores: bfloat16 shares float32's
+    # exponent range, float16 does not (see the module docstring).
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    # Triton's interpreter multiplies the bit patterns of bfloat16 operands in tl.dot (Triton
+    # issue #11584) and truncates float32 to bfloat16. Under it, values are rounded as the GPU
+    # rounds them (_rounded) and every dot operand is widened to float32 afterwards, which gives
+    # the GPU's products exactly: a product of two 16-bit floats is exact in float32.
+    DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
+    # A flat grid as in pass 1, over every walk position.
+    e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+    pid = tl.program_id(0)
+    e_block = pid % e_blocks
+    walk = (pid // e_blocks) % n_segments
+    bh = pid // (e_blocks * n_segments)
+    b = bh // H
+    h = bh % H
+    if REVERSE:
+        segment = n_segments - 1 - walk
+    else:
+        segment = walk
+    segment_start = segment * segment_len
+    tokens = tl.minimum(segment_len, T - segment_start)
+    n_chunks = (tokens + CHUNK - 1) // CHUNK
+
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    mask_de = mask_d[:, None] & mask_e[None, :]
+    if REVERSE:
+        causal = offs_c[:, None] <= offs_c[None, :]
+    else:
+        causal = offs_c[:, None] >= offs_c[None, :]
+
+    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
+    q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+    k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+    v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+    start_ptr += b64 * stride_sb + h64 * stride_sh + walk.to(tl.int64) * stride_sw
+    b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                      mask=mask_de, other=0.0)
+
+    for i in range(0, n_chunks):
+        if REVERSE:
+            chunk_start = (n_chunks - 1 - i) * CHUNK
+        else:
+            chunk_start = i * CHUNK
+        offs_t = chunk_start + offs_c
+        mask_t = offs_t < tokens
+        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                      mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+
+        b_kt = tl.trans(b_k).to(DOT_DTYPE)
+        b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
+        b_scores = tl.where(causal, b_scores, 0.0)
+        b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                     _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                     input_precision=FLOAT32_PRECISION)
+        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                     b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
+        b_state = tl.dot(b_kt, b_v.to(DOT_DTYPE), acc=b_state, input_precision=FLOAT32_PRECISION)
+        tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                 _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_t[:, None] & mask_e[None, :])
+
+    if walk == n_segments - 1:  # the last walked segment ends on S_T
+        final_state_ptr += bh.to(tl.int64) * D * E
+        tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: configurations, the three launches, autograd.
+
+#: Keys a ``config`` may set. CHUNK, BLOCK_E, num_warps and num_stages shape the compiled
+#: kernels of passes 1 and 3; SEGMENT_LEN (tokens per segment, a multiple of CHUNK) is a
+#: runtime argument and only decides how the work is cut.
+CONFIG_KEYS = ("CHUNK", "BLOCK_E", "SEGMENT_LEN", "num_warps", "num_stages")
+
+#: Configurations for the benchmark to sweep on a GPU (bfloat16, D = E = 64 and 128): the
+#: default rule's blocks (keys left out) and three alternatives, each with the rule's segment
+#: length (None) and three fixed ones. The alternatives are ones that compile without spills in
+#: bfloat16 and fit the shared memory of sm_80 and sm_90 in every dtype up to D = E = 128.
+TUNING_CANDIDATES = [
+    {**blocks, "SEGMENT_LEN": length}
+    for blocks in (
+        {},
+        {"CHUNK": 64, "BLOCK_E": 32, "num_warps": 4, "num_stages": 2},   # twice the programs
+        {"CHUNK": 64, "BLOCK_E": 64, "num_warps": 8, "num_stages": 2},   # two warp groups
+        {"CHUNK": 32, "BLOCK_E": 64, "num_warps": 4, "num_stages": 3},   # more loads in flight
+    )
+    for length in (None, 1024, 2048, 4096)
+]
+
+# Head dimensions the candidates are meant for (launch_variants compiles them for these).
+_TUNED_HEAD_DIMS = (64, 128)
+
+# Pass 2 works on float32 entries only, whatever the inputs: one fixed shape fits every call.
+_SCAN_BLOCK_W = 16
+_SCAN_BLOCK_N = 256
+_SCAN_NUM_WARPS = 4
+_SCAN_NUM_STAGES = 2
+
+# Programs per SM that pass 3 aims for: two let one program's loads overlap another's products.
+_PROGRAMS_PER_SM = 2
+# The interpreter has no SMs; cut the work as an H100/H200 (132 SMs) would, so CPU runs take
+# the same paths as the GPU.
+_ASSUMED_SM_COUNT = 132
+
+
+def _block(n):
+    """The power-of-two tile that holds n: tl.dot needs at least 16 on a GPU."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _default_blocks(D, E, dtype):
+    """CHUNK, BLOCK_E, num_warps and num_stages of passes 1 and 3, chosen so that pass 3 does
+    not spill registers on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
+
+    bfloat16: chunks of 64 tokens, so that each product is one 64-row tensor-core instruction
+        (wgmma). Pass 3 keeps three float32 tiles in registers, the state [BLOCK_D, BLOCK_E],
+        the scores [64, 64] and the output [64, BLOCK_E]; BLOCK_D * BLOCK_E <= 8192 (64 registers
+        a thread with 4 warps) and BLOCK_E <= 64 leave room for the rest (168 registers a thread
+        at D = E = 64, 228 at D = E = 128).
+    float16: the state and the scores enter their products as float32 (TF32), whose operands
+        take twice the registers: BLOCK_D * BLOCK_E <= 4096, and chunks of 32 when D or E
+        exceeds 128. (The chunk depends on D and E alike: the backward swaps them, and its
+        products must cut the forward's segments into the same chunks.)
+    float32: IEEE products run on CUDA cores with both operands in registers, a cost that grows
+        with BLOCK_D: chunks of 16, 8 warps, BLOCK_D * BLOCK_E <= 2048. From BLOCK_D = 64 on it
+        still spills some registers: float32 is the exact path, not the fast one.
+    Two stages let the loads of the next chunk overlap the products of this one.
+    """
+    block_d = _block(D)
+    if dtype == torch.float32:
+        chunk, state_entries, warps = 16, 2048, 8
+    elif dtype == torch.float16:
+        chunk, state_entries, warps = (64 if max(block_d, _block(E)) <= 128 else 32), 4096, 4
+    else:
+        chunk, state_entries, warps = 64, 8192, 4
+    block_e = min(_block(E), 64, max(16, state_entries // block_d))
+    return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
+
+
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, sm_count):
+    """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
+
+    Parallelism: pass 3 runs batch_heads * e_blocks * NS programs; aim for _PROGRAMS_PER_SM of
+    them on every SM, i.e. at least NS = cdiv(programs wanted, batch_heads * e_blocks) segments:
+    L <= T / NS, rounded down to a multiple of CHUNK.
+    Traffic: each segment moves its float32 state (D * E * 4 bytes) about four times (pass 1
+    writes it, pass 2 reads and writes it, pass 3 reads it); keep that under a quarter of the
+    segment's own q, k, v, o bytes, L * (2D + 2E) * element_size, i.e.
+    L >= 64 * D * E / ((2D + 2E) * element_size), rounded up to a multiple of CHUNK.
+    When the two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
+    """
+    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * sm_count, batch_heads * e_blocks)
+    parallel_length = T // wanted_segments // chunk * chunk
+    traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
+    traffic_length = triton.cdiv(traffic_length, chunk) * chunk
+    return max(parallel_length, traffic_length)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _resolve_config(q, v, config):
+    """The full launch configuration: the default rule, then the caller's overrides."""
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    config = dict(config or {})
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
+    resolved = _default_blocks(D, E, q.dtype)
+    resolved.update({key: value for key, value in config.items() if key != "SEGMENT_LEN"})
+    for key in ("CHUNK", "BLOCK_E"):
+        if resolved[key] < 16 or resolved[key] & (resolved[key] - 1):
+            raise ValueError(f"config {key} must be a power of two >= 16, got {resolved[key]}")
+    if config.get("SEGMENT_LEN") is not None:
+        length = config["SEGMENT_LEN"]
+        if length < resolved["CHUNK"] or length % resolved["CHUNK"]:
+            raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK="
+                             f"{resolved['CHUNK']}, got {length}")
+    else:
+        sm_count = _sm_count(q.device.index or 0) if q.device.type == "cuda" else _ASSUMED_SM_COUNT
+        length = _segment_length(T, B * H, D, E, resolved["CHUNK"],
+                                 triton.cdiv(E, resolved["BLOCK_E"]), q.element_size(), sm_count)
+    resolved["SEGMENT_LEN"] = length
+    return resolved
+
+
+@dataclass(frozen=True)
+class _States:
+    """Float32 states read by the kernels: element (b, h, walk position, d, e) of ``tensor`` sits
+    at offset b*strides[0] + h*strides[1] + walk*strides[2] + d*strides[3] + e*strides[4]."""
+
+    tensor: torch.Tensor
+    strides: tuple
+
+    @staticmethod
+    def initial(state, device):
+        """S_0 for every walk position; None becomes one zero shared through zero strides."""
+        if state is None:
+            return _States(torch.zeros(1, device=device), (0, 0, 0, 0, 0))
+        state = state.float()
+        sb, sh, sd, se = state.stride()
+        return _States(state, (sb, sh, 0, sd, se))
+
+    def transposed(self):
+        """The same states seen as (E, D): the start states of the swapped-role products."""
+        sb, sh, sw, sd, se = self.strides
+        return replace(self, strides=(sb, sh, sw, se, sd))
+
+
+def _segment_starts(k, v, initial, *, reverse, config):
+    """Passes 1 and 2: the state each segment starts from, in walk order."""
+    B, H, T, D = k.shape
+    E = v.shape[-1]
+    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    if n_segments <= 1:
+        return initial
+    block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
+    states = torch.empty(B * H, n_segments, D, E, device=k.device, dtype=torch.float32)
+    _segment_summaries_kernel[(B * H * (n_segments - 1) * triton.cdiv(E, block_e),)](
+        k, v, states, T, D, E, H, config["SEGMENT_LEN"], n_segments,
+        *k.stride(), *v.stride(),
+        REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
+        INTERPRETED=triton.knobs.runtime.interpret,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    sb, sh, _, sd, se = initial.strides
+    _segment_scan_kernel[(B * H, triton.cdiv(D * E, _SCAN_BLOCK_N))](
+        states, initial.tensor, D, E, H, n_segments, sb, sh, sd, se,
+        BLOCK_W=_SCAN_BLOCK_W, BLOCK_N=_SCAN_BLOCK_N,
+        num_warps=_SCAN_NUM_WARPS, num_stages=_SCAN_NUM_STAGES,
+    )
+    return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
+
+
+def _segment_outputs(q, k, v, starts, *, reverse, config):
+    """Pass 3: o and the final state, every segment from its start state."""
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
+    o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    _segment_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
+        q, k, v, o, starts.tensor, final_state, T, D, E, H, config["SEGMENT_LEN"], n_segments,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
+        REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
+        INTERPRETED=triton.knobs.runtime.interpret,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return o, final_state
+
+
+def _ints(names):
+    """Signature entries of integer arguments, for ``launch_variants``."""
+    return dict.fromkeys(names.split(), "i32")
+
+
+def _strides(tensor, last):
+    """Signature entries of the strides (b, h, t, last) of a (B, H, T, last) tensor."""
+    return _ints(" ".join(f"stride_{tensor}{axis}" for axis in ("b", "h", "t", last)))
+
+
+class _ScanCausalProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, config):
+        B, H, T, D = q.shape
+        E = v.shape[-1]
+        ctx.set_materialize_grads(False)
+        ctx.config = config
+        if T == 0:  # nothing to walk: S_T is S_0
+            ctx.save_for_backward(q, k, v, None)
+            final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+            if initial_state is None:
+                final_state.zero_()
+            else:
+                final_state.copy_(initial_state)
+            return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state
+        resolved = _resolve_config(q, v, config)
+        initial = _States.initial(initial_state, q.device)
+        starts = _segment_starts(k, v, initial, reverse=False, config=resolved)
+        o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved)
+        ctx.save_for_backward(q, k, v, starts.tensor)
+        ctx.start_strides = starts.strides
+        ctx.segment_len = resolved["SEGMENT_LEN"]
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, start_tensor = ctx.saved_tensors
+        need_q, need_k, need_v, need_initial = ctx.needs_input_grad[:4]
+        B, H, T, D = q.shape
+        E = v.shape[-1]
+        if T == 0:  # empty gradients for q, k, v; S_T = S_0 passes G through
+            dq, dk, dv = (torch.zeros_like(x) if need else None
+                          for x, need in ((q, need_q), (k, need_k), (v, need_v)))
+            return dq, dk, dv, grad_final_state if need_initial else None, None
+        if grad_o is None:  # only S_T was used
+            grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
+        grad_final = _States.initial(grad_final_state, q.device)
+        dq = dk = dv = d_initial = None
+        # Every product cuts the sequence into the forward's segments, so that start states can
+        # be shared: the forward's serve dQ, and one pass 1 and 2 of suffix sums serves dV and dK.
+        overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
+
+        if need_q:
+            forward_starts = _States(start_tensor, ctx.start_strides)
+            dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
+                                     config=_resolve_config(grad_o, k, overrides))
+        if need_k or need_v or need_initial:
+            config = _resolve_config(k, grad_o, overrides)
+            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
+            if need_v or need_initial:
+                dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True,
+                                                 config=config)
+            if need_k:
+                dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
+                                         config=_resolve_config(v, q, overrides))
+        return dq, dk, dv if need_v else None, d_initial if need_initial else None, None
+
+
+def scan_causal_product(q, k, v, initial_state=None, *, config=None):
+    """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
+    initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
+    input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
+    config: optional dict overriding the block sizes / num_warps the wrapper would choose
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``;
+    ``TUNING_CANDIDATES`` lists complete ones."""
+    return _ScanCausalProduct.apply(q, k, v, initial_state, config)
+
+
+def launch_variants():
+    """Every kernel launch the wrappers can make: a list of dicts
+    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
+     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
+    covering each dtype and each config the wrapper's rule can choose (every BLOCK_D and BLOCK_E
+    from 16 to 256), the ``TUNING_CANDIDATES`` for D = E = 64 and 128, both walking directions,
+    and the one shape of the scan pass."""
+    pointer = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+    block_sizes = (16, 32, 64, 128, 256)
+    launches = set()  # (dtype, BLOCK_D, CHUNK, BLOCK_E, num_warps, num_stages)
+    for dtype in pointer:
+        configs = [(block_d, _default_blocks(block_d, block_e, dtype))  # D, E = the block sizes
+                   for block_d, block_e in itertools.product(block_sizes, block_sizes)]
+        configs += [(head_dim, {**_default_blocks(head_dim, head_dim, dtype), **candidate})
+                    for candidate, head_dim in itertools.product(TUNING_CANDIDATES, _TUNED_HEAD_DIMS)]
+        launches.update((dtype, block_d, *(config[key] for key in CONFIG_KEYS if key != "SEGMENT_LEN"))
+                        for block_d, config in configs)
+
+    variants = []
+    for (dtype, block_d, chunk, block_e, warps, stages), reverse in itertools.product(
+            sorted(launches, key=str), (False, True)):
+        constexprs = {"REVERSE": reverse, "BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk,
+                      "INTERPRETED": False}  # True only under the interpreter, never compiled
+        sizes = _ints("T D E H segment_len n_segments")
+        summaries = {"k_ptr": pointer[dtype], "v_ptr": pointer[dtype], "states_ptr": "*fp32",
+                     **sizes, **_strides("k", "d"), **_strides("v", "e")}
+        outputs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), pointer[dtype]),
+                   "start_ptr": "*fp32", "final_state_ptr": "*fp32", **sizes,
+                   **_strides("q", "d"), **_strides("k", "d"),
+                   **_strides("v", "e"), **_strides("o", "e"),
+                   **_ints("stride_sb stride_sh stride_sw stride_sd stride_se")}
+        for kernel, signature in ((_segment_summaries_kernel, summaries),
+                                  (_segment_outputs_kernel, outputs)):
+            variants.append({"kernel": kernel,
+                             "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+                             "constexprs": constexprs, "num_warps": warps, "num_stages": stages})
+    scan_constexprs = {"BLOCK_W": _SCAN_BLOCK_W, "BLOCK_N": _SCAN_BLOCK_N}
+    variants.append({
+        "kernel": _segment_scan_kernel,
+        "signature": {"states_ptr": "*fp32", "initial_state_ptr": "*fp32", **_ints("D E H n_segments"),
+                      **_ints("stride_ib stride_ih stride_id stride_ie"),
+                      **dict.fromkeys(scan_constexprs, "constexpr")},
+        "constexprs": scan_constexprs, "num_warps": _SCAN_NUM_WARPS, "num_stages": _SCAN_NUM_STAGES,
+    })
+    return variants
