@@ -57,19 +57,48 @@ _REGISTRY = {m.name: m for m in _METHOD_LIST}
 METHODS = tuple(_REGISTRY)
 
 
+#: ``causal_product``'s default: picks "chunked" or "scan" for the inputs (see :func:`choose_method`).
+AUTO = "auto"
+
+#: Below this many (batch, head, 64-column value block) programs per multiprocessor, "chunked"
+#: leaves the GPU idle and "scan" (parallel over segments of the sequence too) wins.
+_SCAN_BELOW_PROGRAMS_PER_SM = 1
+#: ... provided the sequence is long enough to be split into segments worth the extra passes.
+_SCAN_FROM_LENGTH = 8192
+
+
+def choose_method(q, v) -> str:
+    """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle.
+
+    "chunked" runs one program per (batch, head, block of 64 value columns) and walks the whole
+    sequence; it is the fastest when those programs fill the GPU. With few long sequences
+    (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
+    sequence over segments. Under the interpreter the choice is always "chunked".
+    """
+    if _device.INTERPRETED or q.device.type != "cuda":
+        return "chunked"
+    B, H, T, _ = q.shape
+    programs = B * H * -(-v.shape[-1] // 64)
+    multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
+        return "scan"
+    return "chunked"
+
+
 def method_info(name: str) -> Method:
     """The :class:`Method` record for ``name``."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown method {name!r}; choose one of {METHODS}")
+        raise ValueError(f"unknown method {name!r}; choose one of {METHODS} or {AUTO!r}")
     return _REGISTRY[name]
 
 
-def causal_product(q, k, v, method="quadratic", *, initial_state=None, return_state=False):
+def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=False):
     """Causal linear attention: o_t = S_t^T q_t with S_t = S_{t-1} + k_t v_t^T.
 
     Args:
         q, k: (B, H, T, D) tensors; v: (B, H, T, E), all of one dtype on one device.
-        method: one of :data:`METHODS`.
+        method: one of :data:`METHODS`, or "auto" (the default): the fastest Triton kernel for
+            these shapes, see :func:`choose_method`.
         initial_state: optional (B, H, D, E) tensor S_0 (zeros when None); used in float32.
         return_state: also return S_T, the state after the last token, as (B, H, D, E) float32
             (float64 for float64 inputs to the references).
@@ -79,6 +108,10 @@ def causal_product(q, k, v, method="quadratic", *, initial_state=None, return_st
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
+    if method == AUTO:
+        check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
+                     max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type)
+        method = choose_method(q, v)
     info = method_info(method)
     expected_device = _device.DEVICE.type if info.is_triton else None
     check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,

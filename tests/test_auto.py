@@ -1,0 +1,45 @@
+"""method="auto", the default of causal_product: which kernel it picks, and that it is checked."""
+
+import pytest
+import torch
+
+import ttx_tutorial
+from ttx_tutorial import api
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+
+
+def test_default_method_is_auto_and_correct():
+    q, k, v, s0 = random_inputs(1, 2, 37, 12, 20, initial_state=True)
+    with poisoned_allocations():
+        o, state = ttx_tutorial.causal_product(q, k, v, initial_state=s0, return_state=True)
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert_close(o, ref_o, torch.float32, "o")
+    assert_close(state, ref_state, torch.float32, "final state")
+
+
+def test_auto_picks_a_triton_kernel():
+    q, k, v = random_inputs(1, 1, 4, 8)
+    assert api.method_info(ttx_tutorial.choose_method(q, v)).is_triton
+
+
+@pytest.mark.skipif(ttx_tutorial.on_gpu(), reason="the interpreter's choice")
+def test_auto_under_the_interpreter_is_chunked():
+    q, k, v = random_inputs(1, 1, 4, 8)
+    assert ttx_tutorial.choose_method(q, v) == "chunked"
+
+
+@pytest.mark.gpu
+def test_auto_spreads_few_long_sequences_over_the_gpu():
+    few_long = random_inputs(1, 2, 16384, 64, device="cuda", dtype=torch.bfloat16)
+    many_short = random_inputs(16, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    assert ttx_tutorial.choose_method(few_long[0], few_long[2]) == "scan"
+    assert ttx_tutorial.choose_method(many_short[0], many_short[2]) == "chunked"
+
+
+def test_auto_validates_like_the_kernels():
+    q, k, v = random_inputs(1, 1, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        ttx_tutorial.causal_product(q, k, v)
+    q, k, v = random_inputs(1, 1, 4, 300)
+    with pytest.raises(ValueError, match="256"):
+        ttx_tutorial.causal_product(q, k, v)
