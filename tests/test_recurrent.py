@@ -169,12 +169,25 @@ def test_default_rule_fills_the_gpu():
     """Few heads (1, 8, 65536, 64) get narrower value blocks than many heads (8, 16, 4096, 64)."""
     few_heads = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
     many_heads = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
-    assert few_heads["BLOCK_E"] == 2 and many_heads["BLOCK_E"] == 4
+    assert few_heads["BLOCK_E"] == 4 and many_heads["BLOCK_E"] == 8
     for D in (1, 16, 64, 100, 256):
         for dtype in DTYPES:
-            cfg = recurrent.default_config(1, 1, D, 256, dtype, multiprocessors=132)
-            tile_bytes = 3 * recurrent._block_d(D) * cfg["BLOCK_E"] * dtype.itemsize
-            assert cfg["UNROLL"] * (cfg["num_stages"] - 1) * tile_bytes <= recurrent._SHARED_MEMORY_BUDGET
+            for heads in (1, 4096):
+                cfg = recurrent.default_config(1, heads, D, 256, dtype, multiprocessors=132)
+                block_d = recurrent._block_d(D)
+                # The groups fill the lanes the k tile leaves (see "Fragile" in the module docstring).
+                assert cfg["BLOCK_E"] // cfg["COLS"] == recurrent._groups(block_d, dtype.itemsize)
+                assert recurrent._shared_memory_bytes(block_d, cfg, dtype.itemsize) <= recurrent._SHARED_MEMORY_BUDGET
+                if dtype.itemsize == 2 and D == 64:  # the v block is large enough to be copied asynchronously
+                    assert cfg["UNROLL"] * cfg["BLOCK_E"] >= 64
+
+
+def test_config_validation():
+    q, k, v = random_inputs(1, 1, 2, 4, seed=0)
+    with pytest.raises(ValueError, match="COLS"):
+        recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 2, "COLS": 4})
+    with pytest.raises(ValueError, match="power of two"):
+        recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 6})
 
 
 def _run_without_interpreter(script):
@@ -207,8 +220,10 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
     """The performance-critical shape of the compiled kernel (see "Fragile" in the module docstring).
 
     Compiled as the forward launch on aligned (B, H, T, 64) bf16 tensors is specialised, every
-    per-token load in the loop must be an asynchronous copy, and the state's layout must give
-    each thread 8 contiguous D elements, so that the sum over D needs only 3 warp shuffles."""
+    load in the main token loop must be an asynchronous copy, no layout conversion may go
+    through shared memory, and the state's layout must give each thread 8 contiguous D elements of COLS
+    columns, so that one k and q load serves COLS columns and the sum over D needs only 3 warp
+    shuffles per column."""
     result = _run_without_interpreter(f"""
         import re
         import torch, triton
@@ -220,8 +235,8 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
         cfg = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
         signature = recurrent._signature(torch.bfloat16)
         names = list(signature)
-        constexprs = {{"BLOCK_D": 64, "BLOCK_E": cfg["BLOCK_E"], "UNROLL": cfg["UNROLL"],
-                       "NUM_STAGES": cfg["num_stages"]}}
+        constexprs = {{"BLOCK_D": 64, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"],
+                       "UNROLL": cfg["UNROLL"], "NUM_STAGES": cfg["num_stages"]}}
         # What the launcher specialises: integers equal to 1 (unit strides, including the D
         # stride the wrapper gives every state, and the flags that are on) become constants;
         # pointers and the other integers, all multiples of 16 here (or 0), divisible by 16.
@@ -237,20 +252,33 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={{"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
         lines = compiled.asm["ttgir"].splitlines()
-        start = next(i for i, line in enumerate(lines) if "scf.for" in line)
-        indent = len(lines[start]) - len(lines[start].lstrip())
-        end = next(i for i in range(start + 1, len(lines))
-                   if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
-        loop = "\\n".join(lines[start:end])
+
+        def loop_body(start):
+            indent = len(lines[start]) - len(lines[start].lstrip())
+            end = next(i for i in range(start + 1, len(lines))
+                       if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+            return "\\n".join(lines[start:end])
+
+        # The main token loop: the one with the most reductions (UNROLL tokens per iteration).
+        loops = [loop_body(i) for i, line in enumerate(lines) if "scf.for" in line]
+        loop = max(loops, key=lambda body: body.count('"tt.reduce"'))
         layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
-        reduced = re.findall(r'"tt\\.reduce".*?\\}}\\) : \\(tensor<\\w+, (#\\w+)>', loop, re.S)
+        # The sums over D (tensors whose first dimension is BLOCK_D = 64).
+        reduced = re.findall(r'"tt\\.reduce".*?\\}}\\) : \\(tensor<64x\\w+, (#\\w+)>', loop, re.S)
+        print("COLS:", cfg["COLS"])
         print("plain loads in the loop:", loop.count("tt.load "))
         print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
+        tiles = recurrent._shared_memory_bytes(64, cfg, 2)
+        print("shared memory beyond the pipelined tiles:", compiled.metadata.shared - tiles)
         print("reduced layouts:", sorted({{layouts[name] for name in reduced}}))
     """)
     assert result.returncode == 0, result.stderr[-4000:]
     report = result.stdout
     assert "plain loads in the loop: 0" in report, report
     assert "asynchronous copies in the loop: 0" not in report, report
-    expected_layout = "reduced layouts: ['#ttg.blocked<{sizePerThread = [8, 1], threadsPerWarp = [8, 4]"
+    # No layout conversion through shared memory (each would cost a round trip and a barrier).
+    assert "shared memory beyond the pipelined tiles: 0" in report, report
+    assert "COLS: 2" in report, report  # two columns per thread share each k and q load
+    expected_layout = ("reduced layouts: ['#ttg.blocked<{sizePerThread = [8, 1, 1], "
+                       "threadsPerWarp = [8, 4, 1]")
     assert expected_layout in report, report

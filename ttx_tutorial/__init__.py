@@ -12,7 +12,12 @@ from .notebook import describe, on_gpu, size
 
 __version__ = "0.1.0"
 
+#: Lowest and highest versions the whole suite has passed on: the GPU machine (H200) runs the
+#: lowest, CI (constraints.txt, CPU interpreter) the highest. Widen only after a full run.
+COMPATIBILITY = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.9")}
+
 __all__ = [
+    "COMPATIBILITY",
     "DEVICE",
     "INTERPRETED",
     "MAX_HEAD_DIM",

@@ -6,18 +6,22 @@ import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+#: The Triton kernels address elements inside one (batch, head) slice with 32-bit integers.
+KERNEL_INDEX_LIMIT = 2**31 - 1
 
 
 def _dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expected_device):
+def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expected_device,
+                 index_limit=None):
     """Validate q, k, v and the initial state for one method.
 
     ``dtypes``: the floating dtypes the method accepts. ``max_head_dim``: the largest D and
     E it supports (None: no limit). ``expected_device``: the device type the method runs
-    on ("cpu", "cuda"), or None when any device works.
+    on ("cpu", "cuda"), or None when any device works. ``index_limit``: the largest element
+    offset inside one (batch, head) slice the method can address (None: no limit).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -60,6 +64,15 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
             f"method {method!r} supports D and E up to {max_head_dim}; got D={D} (q, k) and E={E} (v). "
             "Split the head dimension or use a reference method"
         )
+    if index_limit is not None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            last_offset = sum((size - 1) * abs(stride) for size, stride in zip(x.shape[2:], x.stride()[2:]))
+            if x.shape[2] > 0 and last_offset > index_limit:
+                raise ValueError(
+                    f"method {method!r} indexes one (batch, head) slice with 32-bit offsets: {name} spans "
+                    f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
+                    f"{index_limit + 1}. Split the sequence and chain the pieces with initial_state"
+                )
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _device
-from ._validation import KERNEL_DTYPES, REFERENCE_DTYPES, check_inputs
+from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, REFERENCE_DTYPES, check_inputs
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,14 @@ def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=Fal
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
     if method == AUTO:
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
-                     max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type)
+                     max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
+                     index_limit=KERNEL_INDEX_LIMIT)
         method = choose_method(q, v)
     info = method_info(method)
     expected_device = _device.DEVICE.type if info.is_triton else None
     check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,
-                 max_head_dim=info.max_head_dim, expected_device=expected_device)
+                 max_head_dim=info.max_head_dim, expected_device=expected_device,
+                 index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None)
     if initial_state is not None and q.dtype != torch.float64:
         initial_state = initial_state.float()
     implementation = info.load()

@@ -42,8 +42,8 @@ def loop(q, k, v, initial_state=None):
         outputs.append(torch.einsum("bhd,bhde->bhe", q_t, state))  # o_t = S_t^T q_t
     if outputs:
         o = torch.stack(outputs, dim=2)
-    else:
-        o = q.new_empty(*q.shape[:3], v.shape[-1], dtype=acc)
+    else:  # T = 0: an empty product that still belongs to the autograd graph
+        o = torch.einsum("bhtd,bhde->bhte", q.to(acc), state)
     return o.to(q.dtype), state
 
 

@@ -33,36 +33,53 @@ Shapes and precision
     strides. T >= 0; 1 <= D, E <= 256 (blocks are powers of two, tails masked). Inputs float32,
     float16 or bfloat16; products and the state in float32; o in the input dtype.
 
+Register layout (what makes it fast)
+    The state is held as a [BLOCK_D, GROUPS, COLS] tensor, GROUPS * COLS = BLOCK_E: value column
+    e0 + g * COLS + c. k_t and q_t are loaded as [BLOCK_D, GROUPS, 1] tiles (broadcast along the
+    groups: every group reads the same d); Triton's coalescing gives each thread a 16-byte run of
+    contiguous d (8 elements in 16-bit precision, 4 in float32) and spreads the groups over the
+    remaining lanes, and this layout propagates to the state. The COLS axis then lives inside
+    each thread, so one load and one conversion of k_t and q_t serve COLS columns, and
+    ``tl.sum`` over D is 7 additions per column in the thread plus log2(BLOCK_D / 8) shuffles.
+    o_t is reduced with ``keep_dims`` and stored from that layout (no layout conversion).
+    v is loaded once per loop iteration as an [UNROLL, GROUPS, COLS] block and token j's row is
+    picked with ``tl.where`` + ``tl.sum`` over the UNROLL axis: a block that large is copied
+    asynchronously by Triton 3.6's pipeliner, one row per token is not.
+    The pointers are advanced by a scalar per iteration; the iterations before the last partial
+    one run without a per-token sequence mask (a separate loop does the last T % UNROLL tokens).
+
 Tuning (``config``)
-    ``BLOCK_E`` (value columns per program), ``num_warps``, ``UNROLL`` (tokens per loop
-    iteration) and ``num_stages`` (the software pipeline: the loads of ``num_stages - 1``
-    iterations ahead are in flight while one iteration computes). ``default_config`` explains the
-    rule; ``TUNING_CANDIDATES`` are the alternatives a benchmark should also try.
+    ``BLOCK_E`` (value columns per program), ``COLS`` (value columns per thread; BLOCK_E / COLS
+    groups), ``num_warps``, ``UNROLL`` (tokens per loop iteration) and ``num_stages`` (the
+    software pipeline: the loads of ``num_stages - 1`` iterations ahead are in flight while one
+    iteration computes). ``default_config`` explains the rule; ``TUNING_CANDIDATES`` are the
+    alternatives a benchmark should also try.
 
 Tested
-    Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_90 without a GPU with
-    Triton 3.6 and 3.9 (same layouts, every per-token load an asynchronous copy). GPU timings:
-    ``benchmarks/gpu_check.py``.
+    Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_80 and sm_90 without a
+    GPU with Triton 3.6 and 3.9 (same layouts; with the default rule every per-token load of
+    the main loop is an asynchronous copy). GPU timings: ``benchmarks/gpu_check.py``.
 
 Fragile
-    * Speed depends on the register layout Triton chooses for the state. q_t and k_t are loaded
-      as [BLOCK_D, BLOCK_E] tiles broadcast along E (every column reads the same addresses), so
-      that the compiler's coalescing gives each thread a run of contiguous D elements: the sum
-      over D is then mostly within a thread and needs few warp shuffles. v_t is loaded the same
-      way and *before* k_t and q_t; with the other order Triton 3.6 and 3.9 both let v's layout
-      win, and the sum over D spreads over all 32 lanes.
+    * Speed depends on the register layout Triton chooses for the state (see "Register layout").
+      GROUPS should equal the lanes that the coalesced k tile leaves for it,
+      32 * (16 / itemsize) / BLOCK_D for one warp (4 for D = 64 in 16-bit precision): more
+      groups than that wrap around inside a thread and load k and q twice, fewer spread D over
+      more lanes (more shuffles). ``default_config`` computes it.
+    * Any [BLOCK_D, BLOCK_E]-sized load can become the layout of the whole loop. The initial
+      state is therefore added row by row (D loads of [1, GROUPS, COLS], too small to impose a
+      layout, selected into the state with ``tl.where``: O(D * BLOCK_E) once per program);
+      loaded as one tile, float32 with 4 elements per thread, it made Triton 3.9 lay the loop out
+      with 4 d per thread and split COLS over lanes.
       ``tests/test_recurrent.py::test_default_bf16_launch_pipelines_every_load`` checks the
       compiled layout and loads; run it after a Triton upgrade.
-    * The initial-state load takes part in that choice too: a state stored E-major (the usual
-      (B, H, D, E) contiguous tensor) makes Triton 3.6 and 3.9 lay the whole loop out E-major.
-      The wrapper therefore hands the kernel a D-major state (the transposed views of the
-      backward already are; otherwise it copies D * E floats per head).
-    * The per-token loads are pipelined (``cp.async`` on sm_80+) only when each thread copies
-      at least 4 bytes; the v tile with BLOCK_E = 1 in 16-bit precision is too narrow, so the
-      default rule keeps BLOCK_E >= 2.
-    * The broadcast tiles pass through shared memory: 3 * BLOCK_D * BLOCK_E * itemsize bytes per
-      token, times UNROLL * (num_stages - 1). The default rule stays under 48 KiB; a config from
-      elsewhere can exceed the card's limit, and Triton then raises OutOfResources.
+    * Triton 3.6 copies a load asynchronously only when each thread copies at least 4 bytes and
+      the block has no replicated elements: the v block needs UNROLL * BLOCK_E >= 64 in 16-bit
+      precision (the default rule keeps it so; other configs fall back to one plain load of the
+      v block per iteration, whose latency is then exposed once per UNROLL tokens).
+    * The pipelined tiles pass through shared memory: (2 * BLOCK_D * GROUPS + BLOCK_E) * itemsize
+      bytes per token, times UNROLL * (num_stages - 1). The default rule stays under 48 KiB; a
+      config from elsewhere can exceed the card's limit, and Triton then raises OutOfResources.
 """
 
 from __future__ import annotations
@@ -72,6 +89,18 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
+    """One step of the walk: S += k v^T, o = S^T q (b_v: this token's [1, GROUPS, COLS] row)."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)  # [BLOCK_D, GROUPS, 1]
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_state += b_k * b_v  # S_t = S_{t-1} + k_t v_t^T: an outer product, no reduction
+    # o_t = S_t^T q_t: a sum over D; keep_dims keeps the state's layout for the store.
+    b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True)
+    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    return b_state
 
 
 @triton.jit
@@ -89,77 +118,92 @@ def recurrent_kernel(
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     BLOCK_D: tl.constexpr,  # power of two >= D: the whole key dimension
     BLOCK_E: tl.constexpr,  # value columns handled by this program
+    COLS: tl.constexpr,  # value columns per thread (divides BLOCK_E)
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
 ):
-    # The value block varies fastest across programs, so the programs sharing one head's q and k
-    # run side by side and find those rows in cache.
-    pid_e = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
+    # side by side and find those rows in cache, and B * H is not capped at 65535 as grid axis 1 is.
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+    pid_e = tl.program_id(0) % num_e_blocks
+    pid_bh = tl.program_id(0) // num_e_blocks
     b = (pid_bh // H).to(tl.int64)  # 64-bit: b * stride_qb can exceed 2**31 on large batches
     h = (pid_bh % H).to(tl.int64)
+    GROUPS: tl.constexpr = BLOCK_E // COLS
 
+    # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see "Register layout").
     offs_d = tl.arange(0, BLOCK_D)
-    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     mask_d = offs_d < D
     mask_e = offs_e < E
-    # Broadcast tiles [BLOCK_D, BLOCK_E]: every column of the q and k tiles points at the same
-    # d, every row of the v tile at the same e (see "Fragile" in the module docstring for why).
-    d_tile = tl.broadcast_to(offs_d[:, None], (BLOCK_D, BLOCK_E))
-    e_tile = tl.broadcast_to(offs_e[None, :], (BLOCK_D, BLOCK_E))
-    q_tile_ptr = q_ptr + b * stride_qb + h * stride_qh + d_tile * stride_qd
-    k_tile_ptr = k_ptr + b * stride_kb + h * stride_kh + d_tile * stride_kd
-    v_tile_ptr = v_ptr + b * stride_vb + h * stride_vh + e_tile * stride_ve
-    o_row_ptr = o_ptr + b * stride_ob + h * stride_oh + offs_e * stride_oe
     # Rows d >= D of the state stay zero because k is masked to 0 there; columns e >= E because v is.
-    mask_qk_tile = d_tile < D
-    mask_v_tile = e_tile < E
-    mask_state = mask_d[:, None] & mask_e[None, :]
+    mask_row = mask_e[None, :, :]
 
-    b_state = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+    b_state = tl.zeros([BLOCK_D, GROUPS, COLS], dtype=tl.float32)
     if has_initial_state:
-        s0_tile_ptr = (s0_ptr + b * stride_s0b + h * stride_s0h
-                       + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e)
-        b_state += tl.load(s0_tile_ptr, mask=mask_state, other=0.0)
+        # Row by row, so that this load does not impose its layout on the loop (see "Fragile").
+        s0_row_ptr = s0_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :, :] * stride_s0e
+        for d in range(0, D):
+            b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_row, other=0.0)
+            b_state += tl.where(offs_d[:, None, None] == d, b_row, 0.0)
 
-    # Step i of the walk reads token t = first + direction * i.
-    first = reverse * (T - 1)
+    # Step i of the walk reads token first + direction * i; the pointers move by one step a token.
+    first = (reverse * (T - 1)).to(tl.int64)
     direction = 1 - 2 * reverse
-    for step0 in tl.range(0, T, UNROLL, num_stages=NUM_STAGES):
-        # Unrolled: the UNROLL tokens' loads do not depend on the state, so they can all be in
-        # flight together; only the state update chains from token to token.
+    d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
+    q_col_ptr = q_ptr + b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
+    k_col_ptr = k_ptr + b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
+    v_row_ptr = v_ptr + b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
+    o_row_ptr = o_ptr + b * stride_ob + h * stride_oh + first * stride_ot + offs_e[None, :, :] * stride_oe
+    mask_col = d_tile < D
+    step_q = direction * stride_qt
+    step_k = direction * stride_kt
+    step_v = direction * stride_vt
+    step_o = direction * stride_ot
+    offs_u = tl.arange(0, UNROLL)
+    # Whole iterations need no sequence mask; the last T % UNROLL tokens run one by one below.
+    T_full = T - T % UNROLL
+    for _ in tl.range(0, T_full, UNROLL, num_stages=NUM_STAGES):
+        # The UNROLL tokens' v rows as one block (pipelined; see "Register layout").
+        b_v_block = tl.load(v_row_ptr + offs_u[:, None, None] * step_v, mask=mask_row, other=0.0).to(tl.float32)
+        # Unrolled: the loads do not depend on the state, so they can all be in flight together;
+        # only the state update chains from token to token.
         for j in tl.static_range(UNROLL):
-            step = step0 + j
-            t = first + direction * step
-            # The last iteration may run past the sequence. The guard is built as a tile, not a
-            # scalar: Triton 3.9's interpreter mistypes `tile_mask & scalar_bool` (int32, refused).
-            in_seq = tl.full([BLOCK_D, BLOCK_E], step, tl.int32) < T
-            in_seq_e = tl.full([BLOCK_E], step, tl.int32) < T
-            # v first: the order decides the register layout (see "Fragile" above).
-            b_v = tl.load(v_tile_ptr + t * stride_vt, mask=mask_v_tile & in_seq, other=0.0).to(tl.float32)
-            b_k = tl.load(k_tile_ptr + t * stride_kt, mask=mask_qk_tile & in_seq, other=0.0).to(tl.float32)
-            b_q = tl.load(q_tile_ptr + t * stride_qt, mask=mask_qk_tile & in_seq, other=0.0).to(tl.float32)
-            b_state += b_k * b_v  # S_t = S_{t-1} + k_t v_t^T: an outer product, no reduction
-            b_o = tl.sum(b_state * b_q, axis=0)  # o_t = S_t^T q_t: a sum over D
-            tl.store(o_row_ptr + t * stride_ot, b_o.to(o_ptr.dtype.element_ty), mask=mask_e & in_seq_e)
+            b_v = tl.sum(tl.where(offs_u[:, None, None] == j, b_v_block, 0.0), axis=0, keep_dims=True)
+            b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
+                             o_row_ptr + j * step_o, mask_col, mask_row)
+        q_col_ptr += UNROLL * step_q
+        k_col_ptr += UNROLL * step_k
+        v_row_ptr += UNROLL * step_v
+        o_row_ptr += UNROLL * step_o
+    for _ in range(T_full, T):
+        b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
+        b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
+        q_col_ptr += step_q
+        k_col_ptr += step_k
+        v_row_ptr += step_v
+        o_row_ptr += step_o
 
     if store_final_state:
-        sT_tile_ptr = sT_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
-        tl.store(sT_tile_ptr, b_state, mask=mask_state)
+        sT_tile_ptr = sT_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None, None] * E + offs_e[None, :, :]
+        tl.store(sT_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
 
 
 #: Keys a ``config`` dict may set.
-CONFIG_KEYS = ("BLOCK_E", "num_warps", "UNROLL", "num_stages")
+CONFIG_KEYS = ("BLOCK_E", "COLS", "num_warps", "UNROLL", "num_stages")
 
 #: Shared memory the default rule allows for the pipelined tiles of one program.
 _SHARED_MEMORY_BUDGET = 48 * 1024
 
-#: Alternatives to the default rule worth timing on a new GPU (D = 64 in mind); see the docstring.
+#: Alternatives to the default rule worth timing on a new GPU (D = 64 and 128 in mind); see the
+#: module docstring. Per-token SASS instructions of one warp (sm_90, bf16, Triton 3.6) in comments.
 TUNING_CANDIDATES = (
-    {"BLOCK_E": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # few heads, deeper pipeline
-    {"BLOCK_E": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},
-    {"BLOCK_E": 8, "num_warps": 1, "UNROLL": 4, "num_stages": 3},   # many heads, fewer programs
-    {"BLOCK_E": 16, "num_warps": 2, "UNROLL": 4, "num_stages": 2},
+    {"BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule: 105
+    {"BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},   # the same, half the smem
+    {"BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest per element: 161
+    {"BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, D=64 rule: 77
+    {"BLOCK_E": 2, "COLS": 2, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, 2x programs: 64, v not async
+    {"BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule: 161
 )
 
 #: SMs of an H100/H200: the rule's assumption when there is no GPU to ask (launches recorded or
@@ -175,6 +219,20 @@ def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
 
+def _groups(block_d: int, itemsize: int, num_warps: int = 1) -> int:
+    """Lanes the coalesced [BLOCK_D, GROUPS, 1] k tile leaves for the groups: each thread takes a
+    16-byte run of d, the other lanes of the warps go to the groups."""
+    per_thread = 16 // itemsize
+    return max(1, 32 * num_warps * per_thread // block_d)
+
+
+def _shared_memory_bytes(block_d: int, cfg: dict, itemsize: int) -> int:
+    """Shared memory of the pipelined loads: the k and q tiles and the v row of each token."""
+    groups = cfg["BLOCK_E"] // cfg["COLS"]
+    per_token = (2 * block_d * groups + cfg["BLOCK_E"]) * itemsize
+    return cfg["UNROLL"] * (cfg["num_stages"] - 1) * per_token
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -183,38 +241,43 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int | None) -> dict:
-    """The wrapper's rule for BLOCK_E, num_warps, UNROLL and num_stages.
+    """The wrapper's rule for BLOCK_E, COLS, num_warps, UNROLL and num_stages.
 
     ``multiprocessors``: the GPU's SM count, or None under the interpreter.
 
-    * BLOCK_E = 4 keeps 8 state elements per thread for D = 64 (BLOCK_D * BLOCK_E / 32): the
-      per-token work is a few instructions per thread and the sum over D needs 3 shuffles.
-      When B * H * E / 4 programs cannot give every SM four warps (long sequences, few heads),
-      BLOCK_E drops to 2: twice the programs, each almost as fast. Never below 2, even for
-      E = 1 (see the module docstring). The interpreter runs programs one after another, so
-      there the rule takes large blocks instead: fewer, larger programs finish sooner.
     * One warp per program: the sum over D then never crosses warps (no shared memory, no
       barriers), and many small programs hide each other's latency.
-    * UNROLL = 4 tokens per iteration, num_stages = 3: the loads of the next 8 tokens are in
-      flight while 4 are computed; both shrink until the pipelined tiles fit the budget. Deeper
-      pipelines are in ``TUNING_CANDIDATES``; they also take longer to compile.
+    * BLOCK_E / COLS groups = the lanes the k tile leaves (``_groups``: 4 for D = 64 in 16-bit
+      precision); see "Fragile" in the module docstring.
+    * Many (batch, head) pairs: BLOCK_E = 8 (at least one column per group), UNROLL = 8: for
+      D = 64 bf16 two columns per thread share each k and q load, about 6.6 instructions per
+      state element and token, and B * H * E / 8 programs still give every SM several warps.
+    * Few pairs (B * H * E / 8 programs cannot give every SM four warps: long sequences, few
+      heads): BLOCK_E = 4 for twice the programs and UNROLL = 16, so that the v block stays large
+      enough to be copied asynchronously (UNROLL * BLOCK_E = 64); one warp is then alone on its
+      SM sub-partition and the unrolled tokens are its only latency hiding.
+    * num_stages = 3: the loads of the next two iterations are in flight while one is computed;
+      stages, then UNROLL, shrink until the pipelined tiles fit the budget.
+    * The interpreter runs programs one after another, so there the rule takes large blocks
+      instead: fewer, larger programs finish sooner.
     """
     block_d = _block_d(D)
     largest_e = triton.next_power_of_2(E)
     if multiprocessors is None:
         block_e = min(largest_e, max(1, 2048 // block_d))  # at most 64 state floats per thread
-    else:
-        block_e = 4 if largest_e >= 4 else 2  # E < 4: a masked column is cheaper than a narrow tile
-        if block_e > 2 and B * H * triton.cdiv(E, block_e) < 4 * multiprocessors:
-            block_e = 2
-    unroll, num_stages = 4, 3
-    bytes_per_token = 3 * block_d * block_e * dtype.itemsize
-    while unroll * (num_stages - 1) * bytes_per_token > _SHARED_MEMORY_BUDGET and unroll > 1:
-        if num_stages > 2:
-            num_stages -= 1
+        return {"BLOCK_E": block_e, "COLS": block_e, "num_warps": 1, "UNROLL": 4, "num_stages": 1}
+    groups = _groups(block_d, dtype.itemsize)
+    block_e, unroll = max(8, groups), 8
+    if B * H * triton.cdiv(E, block_e) < 4 * multiprocessors:
+        block_e, unroll = max(4, groups), 16
+    cfg = {"BLOCK_E": block_e, "COLS": max(1, block_e // groups), "num_warps": 1, "UNROLL": unroll,
+           "num_stages": 3}
+    while _shared_memory_bytes(block_d, cfg, dtype.itemsize) > _SHARED_MEMORY_BUDGET and cfg["UNROLL"] > 1:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
         else:
-            unroll //= 2
-    return {"BLOCK_E": block_e, "num_warps": 1, "UNROLL": unroll, "num_stages": num_stages}
+            cfg["UNROLL"] //= 2
+    return cfg
 
 
 def _resolve_config(q, v, config):
@@ -229,9 +292,15 @@ def _resolve_config(q, v, config):
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
         chosen.update(config)
-    block_e = chosen["BLOCK_E"]
-    if block_e < 1 or block_e & (block_e - 1):
-        raise ValueError(f"BLOCK_E must be a power of two, got {block_e}")
+        if "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
+            groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
+            chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
+    block_e, cols = chosen["BLOCK_E"], chosen["COLS"]
+    for name, value in (("BLOCK_E", block_e), ("COLS", cols)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if cols > block_e:
+        raise ValueError(f"COLS ({cols}) must not exceed BLOCK_E ({block_e})")
     return chosen
 
 
@@ -245,22 +314,17 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
                    if store_final_state else None)
     if B * H == 0:
         return o, final_state
-    if initial_state is not None and initial_state.stride(-2) != 1:
-        # D-major order for the starting state (a copy of D * E floats per head): loaded in
-        # E-major order it would impose its layout on the whole loop (see "Fragile").
-        initial_state = initial_state.mT.contiguous().mT
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
     unused = torch.empty(0, dtype=torch.float32, device=q.device)
     s0 = initial_state if initial_state is not None else unused
-    grid = (triton.cdiv(E, cfg["BLOCK_E"]), B * H)
+    grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
     recurrent_kernel[grid](
         q, k, v, o, s0, final_state if store_final_state else unused,
         T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        # Without a state, still D-major strides: the compiled loop must not depend on the flag.
-        *(initial_state.stride() if initial_state is not None else (0, 0, 1, 0)),
-        BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], UNROLL=cfg["UNROLL"], NUM_STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        *(initial_state.stride() if initial_state is not None else (0, 0, 0, 0)),
+        BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
+        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, final_state
 
@@ -281,7 +345,7 @@ class _RecurrentCausalProduct(torch.autograd.Function):
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         need_q, need_k, need_v, need_s0, _ = ctx.needs_input_grad
-        # S_0^T and G^T are views (.mT); _launch copies only G, to D-major order, for the dv walk.
+        # S_0^T and G^T are views (.mT): the kernel reads the state row by row, in any order.
         s0_t = initial_state.mT if initial_state is not None else None
         g = grad_final_state
         g_t = g.mT if g is not None else None
@@ -315,7 +379,7 @@ def _signature(dtype: torch.dtype) -> dict:
     scalars += [f"stride_{x}{axis}" for x in "vo" for axis in "bhte"]
     scalars += [f"stride_s0{axis}" for axis in "bhde"]
     signature.update({name: "i32" for name in scalars})
-    signature.update({name: "constexpr" for name in ("BLOCK_D", "BLOCK_E", "UNROLL", "NUM_STAGES")})
+    signature.update({name: "constexpr" for name in ("BLOCK_D", "BLOCK_E", "COLS", "UNROLL", "NUM_STAGES")})
     return signature
 
 
@@ -327,8 +391,8 @@ def launch_variants():
     sm_80 and sm_90 without a GPU."""
     variants = []
     for dtype in _TRITON_DTYPES:
-        # On a GPU the rule's choice depends only on BLOCK_D and on whether the grid fills the
-        # card (BLOCK_E 4 or 2). The candidates are timed at D = 64 and 128.
+        # On a GPU the rule's choice depends only on BLOCK_D, the dtype and on whether the grid
+        # fills the card (heads 1 or 4096). The candidates are timed at D = 64 and 128.
         configs = [(block_d, default_config(1, heads, block_d, 64, dtype, _NOMINAL_MULTIPROCESSORS))
                    for block_d in (16, 32, 64, 128, 256) for heads in (1, 4096)]
         configs += [(block_d, dict(candidate)) for block_d in (64, 128) for candidate in TUNING_CANDIDATES]
@@ -338,8 +402,8 @@ def launch_variants():
             variants.append({
                 "kernel": recurrent_kernel,
                 "signature": _signature(dtype),
-                "constexprs": {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "UNROLL": cfg["UNROLL"],
-                               "NUM_STAGES": cfg["num_stages"]},
+                "constexprs": {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"],
+                               "UNROLL": cfg["UNROLL"], "NUM_STAGES": cfg["num_stages"]},
                 "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"],
             })

@@ -363,7 +363,7 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, sm_coun
     L >= 64 * D * E / ((2D + 2E) * element_size), rounded up to a multiple of CHUNK.
     When the two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
     """
-    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * sm_count, batch_heads * e_blocks)
+    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(1, batch_heads * e_blocks))
     parallel_length = T // wanted_segments // chunk * chunk
     traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
     traffic_length = triton.cdiv(traffic_length, chunk) * chunk

@@ -1,0 +1,72 @@
+"""Determinism: the same inputs give bit-identical outputs and gradients, run after run.
+
+Floating-point addition is not associative, so a kernel that sums with atomics (whose order
+depends on which program finishes first) or that reads memory it never wrote can give different
+bits on each run. Two checks:
+
+* every Triton method, forward and backward, run repeatedly on the same inputs: ``torch.equal``
+  on o, S_T and every gradient. One of the runs has every allocation poisoned with NaN, so a
+  result that depends on uninitialised memory differs even under the interpreter, whose
+  programs always run in the same order; on a GPU the sizes are large enough for many programs
+  to race.
+* no kernel file calls a ``tl.atomic_*`` operation (read from the source's syntax tree, so
+  comments and docstrings do not count), since the GPU is where atomics reorder and CI has none.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import ttx_tutorial
+from _strategies import TRITON_METHODS, cotangents, method_gradients
+from ttx_tutorial import testing
+
+SHAPE = ttx_tutorial.size(cpu=(1, 2, 70, 20, 12), gpu=(4, 8, 4099, 64, 96))  # B, H, T, D, E
+REPEATS = ttx_tutorial.size(cpu=2, gpu=4)
+
+
+def runs(method, dtype):
+    """REPEATS forward-backward runs on the same inputs, the first with poisoned allocations."""
+    q, k, v, s0 = testing.random_inputs(*SHAPE, dtype=dtype, seed=11, initial_state=True)
+    grad_o, grad_state = cotangents(q, v, seed=12)
+    with testing.poisoned_allocations():
+        results = [method_gradients(method, q, k, v, s0, grad_o, grad_state)]
+    for _ in range(REPEATS - 1):
+        results.append(method_gradients(method, q, k, v, s0, grad_o, grad_state))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_forward_and_backward_are_bit_identical_across_runs(method, dtype):
+    (o, state, grads), *others = runs(method, dtype)
+    assert torch.isfinite(o).all() and torch.isfinite(state).all(), "the poisoned run left NaN in its outputs"
+    for run, (o_again, state_again, grads_again) in enumerate(others, start=2):
+        assert torch.equal(o, o_again), f"{method} {dtype}: o differs between run 1 and run {run}"
+        assert torch.equal(state, state_again), f"{method} {dtype}: S_T differs between run 1 and run {run}"
+        for name, grad in grads.items():
+            assert torch.equal(grad, grads_again[name]), (
+                f"{method} {dtype}: the gradient of {name} differs between run 1 and run {run}")
+
+
+#: Atomics a kernel file may use, with the reason their order cannot change a result:
+#: {(method, "atomic_xyz"): "why"}. Empty: no kernel needs one.
+ALLOWED_ATOMICS: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_kernel_file_uses_no_order_dependent_atomics(method):
+    module = importlib.import_module(ttx_tutorial.method_info(method).target.split(":")[0])
+    tree = ast.parse(inspect.getsource(module))
+    atomics = sorted({node.attr for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr.startswith("atomic_")})
+    unexplained = [name for name in atomics if (method, name) not in ALLOWED_ATOMICS]
+    assert not unexplained, (
+        f"{module.__name__} uses {unexplained}: their order varies between runs on a GPU, so results "
+        "would not be bit-identical. Sum in a fixed order instead, or add the atomic to "
+        "ALLOWED_ATOMICS with the reason its order cannot change a result")
