@@ -42,7 +42,7 @@ from ttx_tutorial.testing import random_inputs, reference, relative_error  # noq
 ISSUE_SHAPES = [(8, 16, 4096, 64, 64), (8, 16, 4096, 128, 128), (1, 8, 65536, 64, 64),
                 (2, 16, 16384, 128, 128)]  # (B, H, T, D, E)
 KERNEL_METHODS = ["recurrent", "chunked", "scan"]
-SWEEP_T = [2**p for p in range(8, 17)]
+SWEEP_T = [2**p for p in range(8, 17, 2)]  # 256, 1024, 4096, 16384, 65536
 REFERENCE_LIMITS = {"loop": 2048, "cumsum": 16384, "quadratic": 32768}  # largest T timed (memory/time)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -69,8 +69,15 @@ def kernel_function(method):
 
 
 class Recorder:
-    def __init__(self):
+    """Collects rows and rewrites the results file after each one, so a run cut short keeps them."""
+
+    def __init__(self, path, env):
         self.rows = []
+        self.path = path
+        self.env = env
+
+    def save(self):
+        self.path.write_text(json.dumps({"env": self.env, "rows": self.rows}, indent=1))
 
     def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part=""):
         row = {"shape": list(shape), "impl": impl, "mode": mode, "dtype": dtype,
@@ -78,6 +85,7 @@ class Recorder:
                "rel_err": None if rel_err is None else float(f"{rel_err:.3e}"),
                "config": config, "part": part}
         self.rows.append(row)
+        self.save()
         err = "" if rel_err is None else f"  err {rel_err:.1e}"
         ms_text = "   n/a" if ms is None else f"{ms:9.4f}"
         print(f"[{part}] {impl:28s} {mode:8s} {str(tuple(shape)):26s} {ms_text} ms{err}  {config or ''}",
@@ -255,10 +263,13 @@ def main():
            "torch": torch.__version__, "triton": triton.__version__,
            "python": sys.version.split()[0], "date": datetime.date.today().isoformat(),
            "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])}
-    print(json.dumps(env))
     fla = load_fla()
     env["fla"] = importlib.import_module("fla").__version__ if fla else None
-    rec = Recorder()
+    print(json.dumps(env))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "h200" if "H200" in env["gpu"] else env["gpu"].replace(" ", "_").lower()
+    rec = Recorder(out / f"{name}.json", env)
     started = time.time()
     torch.manual_seed(0)
     if "ceilings" in parts:
@@ -272,13 +283,8 @@ def main():
     if "sweep" in parts:
         part_sweep(rec, methods, fla)
     env["seconds"] = round(time.time() - started, 1)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "h200" if "H200" in env["gpu"] else env["gpu"].replace(" ", "_").lower()
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"env": env, "rows": rec.rows}, indent=1))
-    print(f"\nwrote {path} ({len(rec.rows)} rows, {env['seconds']} s)")
+    rec.save()
+    print(f"\nwrote {rec.path} ({len(rec.rows)} rows, {env['seconds']} s)")
     summary(rec.rows, env)
 
 
