@@ -116,11 +116,15 @@ def test_non_contiguous_inputs():
     """Strided views everywhere: T-major layouts, a stride-2 head dimension, a transposed state."""
     B, H, T, D, E = 2, 2, 45, 6, 5
     generator = torch.Generator().manual_seed(3)
-    q = torch.randn(B, T, H, D, generator=generator).transpose(1, 2)             # (B, H, T, D), T-major
-    k = torch.randn(B, H, T, 2 * D, generator=generator)[..., ::2]              # stride 2 along D
-    v = torch.randn(B, H, E, T, generator=generator).transpose(-1, -2)          # stride 1 along T
-    s0 = torch.randn(B, H, E, D, generator=generator).transpose(-1, -2)         # (B, H, D, E) transposed
-    leaves = [x.to(ttx_tutorial.DEVICE, F32).requires_grad_() for x in (q, k, v, s0)]
+
+    def draw(*shape):  # on the session's device first: moving a strided view there would copy it
+        return torch.randn(*shape, generator=generator).to(ttx_tutorial.DEVICE)
+
+    q = draw(B, T, H, D).transpose(1, 2)             # (B, H, T, D), T-major
+    k = draw(B, H, T, 2 * D)[..., ::2]               # stride 2 along D
+    v = draw(B, H, E, T).transpose(-1, -2)           # stride 1 along T
+    s0 = draw(B, H, E, D).transpose(-1, -2)          # (B, H, D, E) transposed
+    leaves = [x.requires_grad_() for x in (q, k, v, s0)]
     assert not any(x.is_contiguous() for x in leaves)
     check_against_float64(*leaves, scan_with(SHORT), dtype=F32)
 

@@ -148,7 +148,9 @@ def recurrent_kernel(
             b_state += tl.where(offs_d[:, None, None] == d, b_row, 0.0)
 
     # Step i of the walk reads token first + direction * i; the pointers move by one step a token.
-    first = (reverse * (T - 1)).to(tl.int64)
+    # tl.cast, not .to(): with T = 1 and reverse = 1 Triton passes both as constants, and the
+    # product is then a Python int.
+    first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
     q_col_ptr = q_ptr + b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
