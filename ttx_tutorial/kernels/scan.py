@@ -550,7 +550,7 @@ def launch_variants():
     {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
      "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
     covering each dtype and each config the wrapper's rule can choose (every BLOCK_D and BLOCK_E
-    from 16 to 256), the ``TUNING_CANDIDATES`` for D = E = 64 and 128, both walking directions,
+    from 16 to 256), the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128, both walking directions,
     and the one shape of the scan pass."""
     pointer = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
     block_sizes = (16, 32, 64, 128, 256)
@@ -558,8 +558,9 @@ def launch_variants():
     for dtype in pointer:
         configs = [(block_d, _default_blocks(block_d, block_e, dtype))  # D, E = the block sizes
                    for block_d, block_e in itertools.product(block_sizes, block_sizes)]
-        configs += [(head_dim, {**_default_blocks(head_dim, head_dim, dtype), **candidate})
-                    for candidate, head_dim in itertools.product(TUNING_CANDIDATES, _TUNED_HEAD_DIMS)]
+        if dtype == torch.bfloat16:  # the candidates are for benchmarks, which run bfloat16
+            configs += [(head_dim, {**_default_blocks(head_dim, head_dim, dtype), **candidate})
+                        for candidate, head_dim in itertools.product(TUNING_CANDIDATES, _TUNED_HEAD_DIMS)]
         launches.update((dtype, block_d, *(config[key] for key in CONFIG_KEYS if key != "SEGMENT_LEN"))
                         for block_d, config in configs)
 
