@@ -121,7 +121,7 @@ def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=Fal
     if initial_state is not None and q.dtype != torch.float64:
         initial_state = initial_state.float()
     implementation = info.load()
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
             o, final_state = implementation(q, k, v, initial_state)
     else:

@@ -48,6 +48,8 @@ Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
     where GPUs round to nearest, so bfloat16 errors on the CPU are about twice a GPU's.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -234,6 +236,7 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
     return config
 
 
+@functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
     """(multiprocessors, shared memory per program) of a GPU; (None, Hopper's) elsewhere."""
     if device.type != "cuda":
