@@ -8,6 +8,8 @@ PORT   ?= 8888
 PYTEST_ARGS ?= -n auto --dist loadfile
 
 BIN    := $(VENV)/bin
+# Jupyter refuses to run as root (containers, cloud shells) unless told to.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP  := $(VENV)/.installed
 
 .PHONY: lab test venv notebooks clean
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 ## JupyterLab on notebooks/, loopback only unless HOST is given; the URL with its token is printed.
 lab: $(STAMP)
 	@$(BIN)/python -c "import ttx_tutorial; print(ttx_tutorial.describe())"
-	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=$(HOST) --port=$(PORT) --no-browser
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=$(HOST) --port=$(PORT) --no-browser $(ALLOW_ROOT)
 
 ## Unit tests, then every notebook under nbval (CPU mode without a GPU).
 test: $(STAMP)
