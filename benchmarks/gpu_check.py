@@ -133,13 +133,11 @@ def ours(method, config=None):
 
 
 def fla_wrapped(fla_fn):
+    """fla on its own (B, T, H, D) layout: callers transpose outside the timed region."""
     def run(q, k, v):
         return fla_fn(q, k, v, scale=1.0, normalize=False)[0]
 
-    def call(q, k, v):  # (B, H, T, D) -> fla's (B, T, H, D) outside the timed region
-        return run(*(x.transpose(1, 2).contiguous().detach().requires_grad_(x.requires_grad) for x in (q, k, v)))
-
-    return run, call
+    return run
 
 
 def part_ceilings(rec, env):
@@ -182,7 +180,7 @@ def part_shapes(rec, methods, shapes, fla):
             except Exception as exc:
                 print(f"[shapes] {method} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
         for name, fla_fn in fla.items():
-            run, _ = fla_wrapped(fla_fn)
+            run = fla_wrapped(fla_fn)
             q, k, v = (x.transpose(1, 2).contiguous() for x in make_inputs(shape))
             o = run(q, k, v)
             heads = slice(0, min(2, q.shape[2]))
@@ -213,7 +211,7 @@ def part_sweep(rec, methods, fla):
         rec.add(shape, "sdpa_softmax", "fwd", "bf16",
                 median_ms(lambda: sdpa(q, k, v, is_causal=True)), None, None, "sweep")
         for name, fla_fn in fla.items():
-            run, _ = fla_wrapped(fla_fn)
+            run = fla_wrapped(fla_fn)
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
             rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(qt, kt, vt)), None, None, "sweep")
 
