@@ -66,8 +66,10 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
         )
     if index_limit is not None:
         for name, x in (("q", q), ("k", k), ("v", v)):
-            last_offset = sum((size - 1) * abs(stride) for size, stride in zip(x.shape[2:], x.stride()[2:]))
-            if x.shape[2] > 0 and last_offset > index_limit:
+            _, _, length, width = x.shape
+            _, _, stride_t, stride_last = x.stride()
+            last_offset = (length - 1) * abs(stride_t) + (width - 1) * abs(stride_last)
+            if length > 0 and last_offset > index_limit:
                 raise ValueError(
                     f"method {method!r} indexes one (batch, head) slice with 32-bit offsets: {name} spans "
                     f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -29,8 +30,18 @@ class Method:
         return MAX_HEAD_DIM if self.is_triton else None
 
     def load(self):
-        module_name, function_name = self.target.split(":")
-        return getattr(importlib.import_module(module_name), function_name)
+        return _load(self.target)
+
+
+@functools.lru_cache(maxsize=None)  # imported once, not at every call
+def _load(target: str):
+    module_name, function_name = target.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+@functools.lru_cache(maxsize=None)  # a driver query: asked once per device
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 #: The largest head dimension (D and E) the Triton kernels support.
@@ -79,7 +90,7 @@ def choose_method(q, v) -> str:
         return "chunked"
     B, H, T, _ = q.shape
     programs = B * H * -(-v.shape[-1] // 64)
-    multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count
+    multiprocessors = _multiprocessor_count(q.device)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"
@@ -109,15 +120,17 @@ def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=Fal
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
     if method == AUTO:
+        # Every Triton method accepts the same inputs: one check serves whichever is chosen.
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT)
-        method = choose_method(q, v)
-    info = method_info(method)
-    expected_device = _device.DEVICE.type if info.is_triton else None
-    check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,
-                 max_head_dim=info.max_head_dim, expected_device=expected_device,
-                 index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None)
+        info = method_info(choose_method(q, v))
+    else:
+        info = method_info(method)
+        expected_device = _device.DEVICE.type if info.is_triton else None
+        check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,
+                     max_head_dim=info.max_head_dim, expected_device=expected_device,
+                     index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None)
     if initial_state is not None and q.dtype != torch.float64:
         initial_state = initial_state.float()
     implementation = info.load()

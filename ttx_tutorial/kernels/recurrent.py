@@ -282,21 +282,27 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
     return cfg
 
 
+# The rule costs microseconds of Python; a launch costs tens of them in all, and at small sizes
+# the host, not the GPU, sets the pace. Callers must not modify the dict it returns.
+_cached_default_config = functools.lru_cache(maxsize=256)(default_config)
+
+
 def _resolve_config(q, v, config):
     B, H, _, D = q.shape
     E = v.shape[-1]
     # The interpreter rule is for speed under TRITON_INTERPRET=1; ask Triton, not the device, so
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _multiprocessor_count(q.device)
-    chosen = default_config(B, H, D, E, q.dtype, multiprocessors)
-    if config is not None:
-        unknown = set(config) - set(CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
-        chosen.update(config)
-        if "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
-            groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
-            chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
+    chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
+    if config is None:
+        return chosen
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
+    chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
+    if "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
+        groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
+        chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
     block_e, cols = chosen["BLOCK_E"], chosen["COLS"]
     for name, value in (("BLOCK_E", block_e), ("COLS", cols)):
         if value < 1 or value & (value - 1):
@@ -369,7 +375,10 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule."""
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)  # a no-op (and no copy) when already float32
-    return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
+    # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
+    return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config)
 
 
 def _signature(dtype: torch.dtype) -> dict:
