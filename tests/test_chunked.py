@@ -89,6 +89,36 @@ def test_gradients_match_float64_autograd(shape, dtype, device):
         assert_close(s0.grad, expected[3], dtype, "d initial state")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D, E", [(64, 64), (33, 20)])
+def test_fused_dk_dv_pass_across_chunks(D, E, dtype, device, monkeypatch):
+    """16-bit heads up to 64 wide take the fused dK/dV pass; checked over several chunks, with an
+    initial state and a gradient reaching the final state."""
+    fused_calls = []
+    launch_dkdv = chunked._launch_dkdv
+    monkeypatch.setattr(chunked, "_launch_dkdv", lambda *args: fused_calls.append(1) or launch_dkdv(*args))
+    T = 3 * C + 5
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=D + E,
+                                initial_state=True, requires_grad=True)
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    grad_final_state = torch.randn(1, 2, D, E, generator=torch.Generator().manual_seed(4)).to(device)
+    with poisoned_allocations():
+        o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+        torch.autograd.backward((o, final_state), (grad_o, grad_final_state))
+    assert fused_calls == [1]
+    expected = _reference_gradients(q, k, v, s0, grad_o, grad_final_state)
+    for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
+        assert_close(x.grad, ref, dtype, name)
+
+
+def test_fused_backward_rule():
+    assert chunked.fused_backward_config(64, 64, torch.bfloat16)["CHUNK"] == 64
+    assert chunked.fused_backward_config(64, 64, torch.float16)["CHUNK"] == 32  # 64 would spill
+    assert chunked.fused_backward_config(64, 64, torch.float16, SMALL_CHUNKS)["CHUNK"] == C
+    assert chunked.fused_backward_config(65, 64, torch.bfloat16) is None  # BLOCK_D = 128
+    assert chunked.fused_backward_config(64, 64, torch.float32) is None
+
+
 def test_gradients_only_for_inputs_that_need_them(device):
     """Only k needs a gradient: the other passes are skipped and dk is still right."""
     q, k, v, s0 = random_inputs(1, 1, 2 * C + 3, 8, 12, device=device, seed=3, initial_state=True)
@@ -216,15 +246,17 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ttx_tutorial.kernels import chunked
-UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe")
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_doe", "stride_dkd", "stride_dve")
+TOKEN_TENSORS = ("stride_q", "stride_k", "stride_v", "stride_o", "stride_d")  # d: dO, dK, dV
 results = []
 for variant in chunked.launch_variants():
     signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
     for name in UNIT_STRIDES:
-        signature[name], constexprs[name] = "constexpr", 1
+        if name in signature:
+            signature[name], constexprs[name] = "constexpr", 1
     aligned = [i for i, (name, kind) in enumerate(signature.items())
                if kind.startswith("*") or name in ("D", "E")
-               or (kind == "i32" and name[:8] in ("stride_q", "stride_k", "stride_v", "stride_o"))]
+               or (kind == "i32" and name[:8] in TOKEN_TENSORS)]
     source = ASTSource(variant["kernel"], signature=signature, constexprs=constexprs,
                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     try:

@@ -18,14 +18,18 @@ Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) f
 Any strides; any T >= 0 (a partial last chunk is masked); D and E from 1 to 256 (blocks are
 powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
 
-Backward: the same kernel, run three times. With dO the gradient of o and G that of S_T,
+Backward: dQ by the same kernel, dK and dV together by a second one. With dO the gradient of o
+and G that of S_T,
 
     dQ   = forward product of (dO, V, K) from S_0^T
     dK   = reverse product of (V, dO, Q) from G^T
     dV   = reverse product of (K, Q, dO) from G, whose final state is dS_0
 
 where the reverse product (``reverse=1``) walks the chunks from last to first with the
-upper triangle of each chunk, so its state holds sum_{s >= t} k_s v_s^T.
+upper triangle of each chunk, so its state holds sum_{s >= t} k_s v_s^T. The states of the last
+two are transposes of one another, R = G + sum_{t >= s} q_t dO_t^T, so for 16-bit heads up to 64
+wide ``_chunked_dkdv_kernel`` walks once and writes both (one launch and one read of the inputs
+fewer); wider heads and float32 run the forward kernel twice in reverse instead.
 
 Precision: every product accumulates in float32.
   float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
@@ -155,6 +159,97 @@ def _chunked_kernel(
              b_state, mask=mask_de)
 
 
+@triton.jit
+def _chunked_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
+    dk_ptr, dv_ptr,                 # outputs (B, H, T, D) and (B, H, T, E), dtype of the inputs
+    g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32
+    ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
+    T, H, D, E,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    stride_gb, stride_gh, stride_gd, stride_ge,
+    BLOCK_D: tl.constexpr,          # >= D
+    BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
+    CHUNK: tl.constexpr,
+    WIDEN_DOT_OPERANDS: tl.constexpr,
+):
+    # The backward of dK and dV in one reverse walk (see "Backward" in the module docstring):
+    # with R_c = G + sum over later chunks of Q^T dO (D x E) and U the upper triangle (t >= s),
+    #   dV_c = ((K_c Q_c^T) * U) dO_c + K_c R_c,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R_c^T,
+    #   R_{c-1} = R_c + Q_c^T dO_c,  and R_0 = dS_0.
+    # Precision as in _chunked_kernel: float32 accumulators, intermediates rounded to bfloat16
+    # (bfloat16 inputs) or kept in float32 (float16 inputs).
+    INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if WIDEN_DOT_OPERANDS else MIXED_DTYPE
+
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_ptr += b * stride_qb + h * stride_qh
+    k_ptr += b * stride_kb + h * stride_kh
+    v_ptr += b * stride_vb + h * stride_vh
+    do_ptr += b * stride_dob + h * stride_doh
+    dk_ptr += b * stride_dkb + h * stride_dkh
+    dv_ptr += b * stride_dvb + h * stride_dvh
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, CHUNK)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    mask_de = mask_d[:, None] & mask_e[None, :]
+
+    g_ptr += b * stride_gb + h * stride_gh
+    b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge, mask=mask_de, other=0.0)
+    # Row s (token s) receives from column t (token t) when t >= s.
+    visible = offs_c[:, None] <= offs_c[None, :]
+
+    num_chunks = (T + CHUNK - 1) // CHUNK
+    for i in range(num_chunks):
+        offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
+        mask_t = offs_t < T
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_te = mask_t[:, None] & mask_e[None, :]
+        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
+        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
+        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
+        b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
+                       other=0.0)
+        if WIDEN_DOT_OPERANDS:
+            b_q = b_q.to(tl.float32)
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+            b_do = b_do.to(tl.float32)
+
+        b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
+        b_kq = tl.where(visible, b_kq, 0.0)
+        b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
+        b_vdo = tl.where(visible, b_vdo, 0.0)
+        b_r_mixed = b_r.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
+        b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
+        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE), acc=b_dv,
+                      input_precision=FLOAT32_PRECISION)
+        b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
+        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE), acc=b_dk,
+                      input_precision=FLOAT32_PRECISION)
+        b_r = tl.dot(tl.trans(b_q), b_do, acc=b_r, input_precision=FLOAT32_PRECISION)
+
+        tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
+                 b_dk.to(dk_ptr.dtype.element_ty), mask=mask_td)
+        tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
+                 b_dv.to(dv_ptr.dtype.element_ty), mask=mask_te)
+
+    ds0_ptr += pid_bh.to(tl.int64) * D * E
+    tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_de)
+
+
 # Shared memory one program may use on an H100 or H200 (227 KiB): the default for the rule below
 # when no GPU is there to ask (the interpreter, and the compile checks of ``launch_variants``).
 HOPPER_SHARED_MEMORY = 232448
@@ -236,6 +331,11 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
     return config
 
 
+# The rule costs microseconds of Python; a launch costs tens of them in all, and at small sizes
+# the host, not the GPU, sets the pace. Callers must not modify the dict it returns.
+_cached_default_config = functools.lru_cache(maxsize=256)(default_config)
+
+
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
     """(multiprocessors, shared memory per program) of a GPU; (None, Hopper's) elsewhere."""
@@ -250,13 +350,13 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     B, H, T, D = q.shape
     E = v.shape[-1]
     multiprocessors, shared_memory = _device_limits(q.device)
-    chosen = default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
-                            shared_memory=shared_memory)
+    chosen = _cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
+                                    shared_memory=shared_memory)
     if config is not None:
         unknown = set(config) - set(_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
-        chosen.update(config)
+        chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
@@ -276,8 +376,48 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     return o, final_state
 
 
+#: The fused dK/dV pass holds R (D x E), the two [C, C] score tiles and the dK and dV tiles of
+#: a chunk in registers at once. Compiled for sm_90 by Triton 3.6 at BLOCK_D = BLOCK_E = 64 with
+#: 8 warps, ptxas reports 211 registers and no spills for bfloat16 with 64-token chunks; float16,
+#: whose intermediates stay float32, spills 420 bytes there and none with 32-token chunks (176
+#: registers). Larger heads, and float32, take two passes.
+FUSED_BACKWARD_MAX_BLOCK = 64
+_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fused_backward_config(D, E, dtype, config=None):
+    """Launch parameters of the fused dK/dV pass, or None where the backward takes two reverse
+    passes of the forward kernel instead. CHUNK follows the forward's configuration, at most 64
+    tokens for bfloat16 and 32 for float16 (see FUSED_BACKWARD_MAX_BLOCK); 8 warps share the
+    register tiles."""
+    block_d, block_e = _block(D), _block(E)
+    if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
+        return None
+    chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
+    return {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 8, "num_stages": 2}
+
+
+def _launch_dkdv(q, k, v, grad_o, grad_final_state, fused):
+    """dK, dV and dS_0 in one reverse walk (``_chunked_dkdv_kernel``). grad_final_state: G, a
+    float32 tensor (autograd passes zeros when S_T was not used)."""
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    ds0 = torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
+    _chunked_dkdv_kernel[(B * H,)](
+        q, k, v, grad_o, dk, dv, grad_final_state, ds0, T, H, D, E,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
+        *grad_final_state.stride(),
+        BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
+        WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+        num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+    )
+    return dk, dv, ds0
+
+
 class _ChunkedCausalProduct(torch.autograd.Function):
-    """Forward: one pass. Backward: three passes of the same kernel (module docstring)."""
+    """Forward: one pass. Backward: dQ by the same kernel, then dK and dV (module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config):
@@ -294,12 +434,17 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         if needs_q:  # dq_t = sum_{s<=t} (dO_t . v_s) k_s + S_0 dO_t
             initial_t = None if initial_state is None else initial_state.transpose(-1, -2)
             grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config)
-        if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
-            grad_k, _ = _launch(v, grad_o, q, grad_final_state.transpose(-1, -2), reverse=True,
-                                config=ctx.config)
-        if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
-            grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
-                                                 config=ctx.config)
+        fused = fused_backward_config(q.shape[-1], v.shape[-1], q.dtype, ctx.config)
+        if fused is not None and (needs_k or needs_v or needs_initial_state):
+            grad_k, grad_v, grad_initial_state = _launch_dkdv(q, k, v, grad_o, grad_final_state, fused)
+            grad_k = grad_k if needs_k else None
+        else:
+            if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
+                grad_k, _ = _launch(v, grad_o, q, grad_final_state.transpose(-1, -2), reverse=True,
+                                    config=ctx.config)
+            if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
+                grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
+                                                     config=ctx.config)
         return (grad_q, grad_k, grad_v if needs_v else None,
                 grad_initial_state if needs_initial_state else None, None)
 
@@ -312,9 +457,13 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule.
 
     config keys: BLOCK_E, CHUNK (powers of two >= 16), num_warps, num_stages; missing keys keep
-    the rule's value (``default_config``). The backward passes use the same config.
+    the rule's value (``default_config``). The backward passes of the forward kernel use the same
+    config; the fused dK/dV pass takes its CHUNK (``fused_backward_config``).
     """
-    return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
+    # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
+    return _launch(q, k, v, initial_state, reverse=False, config=config)
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -343,8 +492,16 @@ def launch_variants():
     for block_d in (64, 128):
         for config in TUNING_CANDIDATES:
             launches.add((torch.bfloat16, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
-    return [_variant(dtype, block_d, dict(zip(_CONFIG_KEYS, values)))
-            for dtype, block_d, values in sorted(launches, key=str)]
+    variants = [_variant(dtype, block_d, dict(zip(_CONFIG_KEYS, values)))
+                for dtype, block_d, values in sorted(launches, key=str)]
+    # The fused dK/dV pass: its rule depends only on the dtype and the two blocks (the chunk of
+    # every rule and candidate configuration is at least 64, so the cap decides it).
+    fused_blocks = [b for b in head_blocks if b <= FUSED_BACKWARD_MAX_BLOCK]
+    for dtype in _FUSED_BACKWARD_DTYPES:
+        for block_d in fused_blocks:
+            for block_e in fused_blocks:
+                variants.append(_dkdv_variant(dtype, fused_backward_config(block_d, block_e, dtype)))
+    return variants
 
 
 def _variant(dtype, block_d, config):
@@ -362,3 +519,20 @@ def _variant(dtype, block_d, config):
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return {"kernel": _chunked_kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+
+def _dkdv_variant(dtype, fused):
+    input_type = "*" + _TRITON_DTYPES[dtype]
+    signature = {name: input_type for name in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
+    signature.update({"g_ptr": "*fp32", "ds0_ptr": "*fp32"})
+    for name in ("T", "H", "D", "E"):
+        signature[name] = "i32"
+    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("do", "bhte"), ("dk", "bhtd"),
+                         ("dv", "bhte"), ("g", "bhde")):
+        for axis in axes:
+            signature[f"stride_{tensor}{axis}"] = "i32"
+    constexprs = {"BLOCK_D": fused["BLOCK_D"], "BLOCK_E": fused["BLOCK_E"], "CHUNK": fused["CHUNK"],
+                  "WIDEN_DOT_OPERANDS": False}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return {"kernel": _chunked_dkdv_kernel, "signature": signature, "constexprs": constexprs,
+            "num_warps": fused["num_warps"], "num_stages": fused["num_stages"]}
