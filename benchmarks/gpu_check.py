@@ -10,6 +10,9 @@ Parts (``--parts``, comma-separated, default all):
              with the relative error of each forward against a float64 reference
   sweep      time versus T at (B, H, D, E) = (1, 8, 64, 64) for every method and softmax SDPA
   precision  float32 tl.dot error with TF32 and with IEEE inputs (notebook 03)
+  overhead   where a call's time goes: each layer of the chunked path (API, kernel function,
+             raw launch) and fla timed with do_bench, on the host alone, and as a replayed
+             CUDA graph (GPU time only); plus a cProfile of the API's host path
 
 Timings are medians of ``triton.testing.do_bench``; inputs are bfloat16 with
 q, k ~ N(0, 1)/sqrt(D) and v ~ N(0, 1), layout (B, H, T, D) (fla gets (B, T, H, D), transposed
@@ -150,11 +153,14 @@ def part_ceilings(rec, env):
     del src, dst
 
 
-def part_tune(rec, methods, shapes):
+def part_tune(rec, methods, shapes, configs=None):
+    """Each method's default against its TUNING_CANDIDATES (or the ``--configs`` given for it)."""
     best = {}
     for method in methods:
         module = kernel_module(method)
         candidates = list(getattr(module, "TUNING_CANDIDATES", []))
+        if configs is not None:
+            candidates = configs.get(method, [])
         for shape in shapes:
             timings = []
             for config in [None] + candidates:
@@ -226,6 +232,88 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.con
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c)
 
 
+def _host_us(fn, calls=200):
+    """Microseconds of host time per call: enqueue `calls` calls, then wait for the GPU once."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _graph_ms(fn):
+    """Median ms of fn replayed from a CUDA graph: the GPU's time with no host in the way."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def part_overhead(rec, fla, shapes):
+    """Each layer of the chunked forward, timed three ways (see the module docstring)."""
+    import cProfile
+    import pstats
+
+    chunked = kernel_module("chunked")
+    for shape in shapes:
+        q, k, v = make_inputs(shape)
+        B, H, T, D, E = shape
+        config = chunked.default_config(D, E, q.dtype, heads=B * H,
+                                        multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count)
+        o = torch.empty_like(v)
+        sf = torch.empty(B, H, D, E, device="cuda", dtype=torch.float32)
+        grid = (B * H * triton.cdiv(E, config["BLOCK_E"]),)
+        raw_args = (q, k, v, o, sf, sf, T, H, D, E, 0, 0, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                    *sf.stride(), *sf.stride())
+        raw_kwargs = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_E=config["BLOCK_E"],
+                          CHUNK=config["CHUNK"], WIDEN_DOT_OPERANDS=False, num_warps=config["num_warps"],
+                          num_stages=config["num_stages"])
+        layers = {
+            "api": lambda: ttx_tutorial.causal_product(q, k, v, "chunked"),
+            "api_auto": lambda: ttx_tutorial.causal_product(q, k, v),
+            "kernel_function": lambda: chunked.chunked_causal_product(q, k, v),
+            "launch": lambda: chunked._launch(q, k, v, None, reverse=False, config=None),
+            "raw_kernel": lambda: chunked._chunked_kernel[grid](*raw_args, **raw_kwargs),
+            "empty_x2": lambda: (torch.empty_like(v), torch.empty_like(sf)),
+        }
+        if "fla_fused_chunk" in fla:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            layers["fla_fused_chunk"] = lambda: fla["fla_fused_chunk"](qt, kt, vt, scale=1.0, normalize=False)
+        for name, fn in layers.items():
+            fn()
+            ms = median_ms(fn)
+            host = _host_us(fn)
+            try:
+                graph = _graph_ms(fn)
+            except Exception as exc:  # some layers allocate or sync in ways a graph refuses
+                print(f"[overhead] {name}: no graph ({type(exc).__name__}: {str(exc)[:120]})")
+                graph = None
+            rec.add(shape, f"overhead_{name}", "fwd", "bf16", ms, None,
+                    json.dumps({"host_us": round(host, 1), "graph_ms": graph and round(graph, 5)}), "overhead")
+        qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+        grad_out = torch.randn_like(v)
+        step = lambda: ttx_tutorial.causal_product(qg, kg, vg, "chunked").backward(grad_out)  # noqa: E731
+        step()
+        rec.add(shape, "overhead_api_fwd_bwd", "fwd+bwd", "bf16", median_ms(step), None,
+                json.dumps({"host_us": round(_host_us(step), 1)}), "overhead")
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(200):
+            ttx_tutorial.causal_product(q, k, v, "chunked")
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"[overhead] cProfile of 200 API calls at {shape}, by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
 def part_precision(rec):
     """One float32 [64, 64] x [64, 64] tl.dot per input precision against float64 (notebook 03)."""
     size = 64
@@ -245,6 +333,9 @@ def main():
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--parts", default="ceilings,tune,shapes,sweep,precision")
     parser.add_argument("--methods", default=",".join(KERNEL_METHODS))
+    parser.add_argument("--no-fla", action="store_true", help="leave fla out even when it is installed")
+    parser.add_argument("--configs", default=None,
+                        help='JSON {method: [config, ...]}: try these in "tune" instead of TUNING_CANDIDATES')
     parser.add_argument("--shapes", default="", help="e.g. '8,16,4096,64;1,8,65536,64' (default: the issue shapes)")
     args = parser.parse_args()
     if not ttx_tutorial.on_gpu():
@@ -261,7 +352,7 @@ def main():
            "torch": torch.__version__, "triton": triton.__version__,
            "python": sys.version.split()[0], "date": datetime.date.today().isoformat(),
            "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])}
-    fla = load_fla()
+    fla = {} if args.no_fla else load_fla()
     env["fla"] = importlib.import_module("fla").__version__ if fla else None
     print(json.dumps(env))
     out = Path(args.out)
@@ -274,8 +365,10 @@ def main():
         part_ceilings(rec, env)
     if "precision" in parts:
         part_precision(rec)
+    if "overhead" in parts:
+        part_overhead(rec, fla, [(1, 8, 256, 64, 64), (8, 16, 4096, 64, 64)])
     if "tune" in parts:
-        part_tune(rec, methods, shapes)
+        part_tune(rec, methods, shapes, json.loads(args.configs) if args.configs else None)
     if "shapes" in parts:
         part_shapes(rec, methods, shapes, fla)
     if "sweep" in parts:
