@@ -265,14 +265,16 @@ def part_overhead(rec, fla, shapes):
     for shape in shapes:
         q, k, v = make_inputs(shape)
         B, H, T, D, E = shape
-        config = chunked.default_config(D, E, q.dtype, heads=B * H,
-                                        multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count)
+        # The wrapper's own choice for this GPU, so the raw launch runs the same compiled kernel.
+        multiprocessors, shared_memory = chunked._device_limits(q.device)
+        config = chunked.default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
+                                        shared_memory=shared_memory)
         o = torch.empty_like(v)
         sf = torch.empty(B, H, D, E, device="cuda", dtype=torch.float32)
         grid = (B * H * triton.cdiv(E, config["BLOCK_E"]),)
         raw_args = (q, k, v, o, sf, sf, T, H, D, E, 0, 0, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                     *sf.stride(), *sf.stride())
-        raw_kwargs = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_E=config["BLOCK_E"],
+        raw_kwargs = dict(BLOCK_D=chunked._block(D), BLOCK_E=config["BLOCK_E"],
                           CHUNK=config["CHUNK"], WIDEN_DOT_OPERANDS=False, num_warps=config["num_warps"],
                           num_stages=config["num_stages"])
         layers = {
