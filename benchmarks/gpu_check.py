@@ -82,16 +82,19 @@ class Recorder:
     def save(self):
         self.path.write_text(json.dumps({"env": self.env, "rows": self.rows}, indent=1))
 
-    def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part=""):
+    def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part="", gpu_ms=None):
         row = {"shape": list(shape), "impl": impl, "mode": mode, "dtype": dtype,
                "ms": None if ms is None else round(ms, 5),
                "rel_err": None if rel_err is None else float(f"{rel_err:.3e}"),
                "config": config, "part": part}
+        if gpu_ms is not None:
+            row["gpu_ms"] = round(gpu_ms, 5)
         self.rows.append(row)
         self.save()
         err = "" if rel_err is None else f"  err {rel_err:.1e}"
         ms_text = "   n/a" if ms is None else f"{ms:9.4f}"
-        print(f"[{part}] {impl:28s} {mode:8s} {str(tuple(shape)):26s} {ms_text} ms{err}  {config or ''}",
+        gpu_text = "" if gpu_ms is None else f" (graph {gpu_ms:.4f})"
+        print(f"[{part}] {impl:28s} {mode:8s} {str(tuple(shape)):26s} {ms_text} ms{gpu_text}{err}  {config or ''}",
               flush=True)
 
 
@@ -108,12 +111,27 @@ def forward_error(fn, q, k, v):
     return relative_error(o[:1, heads], ref)
 
 
-def time_modes(rec, shape, impl, fn, part, config=None, with_backward=True, check=True):
-    """Time fn(q, k, v) -> o forward, and forward+backward, and record both."""
+def graph_or_none(fn, leaves=()):
+    """GPU time of fn from a replayed CUDA graph, or None where fn cannot be captured. ``leaves``:
+    tensors whose .grad fn fills; they start the capture without one, so that the graph writes
+    fresh gradients as ``do_bench(grad_to_none=...)`` does, instead of adding into old ones."""
+    try:
+        return _graph_ms(fn, before_capture=lambda: [setattr(x, "grad", None) for x in leaves])
+    except Exception as exc:  # e.g. a host sync inside fn
+        print(f"  (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]})")
+        torch.cuda.synchronize()
+        return None
+
+
+def time_modes(rec, shape, impl, fn, part, config=None, with_backward=True, check=True, graph=False):
+    """Time fn(q, k, v) -> o forward, and forward+backward, and record both. With ``graph`` each
+    row also gets the GPU time alone (``gpu_ms``, a replayed CUDA graph): at small sizes
+    ``do_bench`` of one call measures the host as much as the kernels."""
     q, k, v = make_inputs(shape)
     err = forward_error(fn, q, k, v) if check else None
     ms = median_ms(lambda: fn(q, k, v))
-    rec.add(shape, impl, "fwd", "bf16", ms, err, config, part)
+    rec.add(shape, impl, "fwd", "bf16", ms, err, config, part,
+            gpu_ms=graph_or_none(lambda: fn(q, k, v)) if graph else None)
     if not with_backward:
         return ms, None
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -123,7 +141,8 @@ def time_modes(rec, shape, impl, fn, part, config=None, with_backward=True, chec
         fn(qg, kg, vg).backward(grad_out)
 
     ms_bwd = float(do_bench(step, warmup=25, rep=100, grad_to_none=[qg, kg, vg], return_mode="median"))
-    rec.add(shape, impl, "fwd+bwd", "bf16", ms_bwd, None, config, part)
+    rec.add(shape, impl, "fwd+bwd", "bf16", ms_bwd, None, config, part,
+            gpu_ms=graph_or_none(step, (qg, kg, vg)) if graph else None)
     return ms, ms_bwd
 
 
@@ -181,7 +200,7 @@ def part_shapes(rec, methods, shapes, fla):
     for shape in shapes:
         for method in methods:
             try:
-                time_modes(rec, shape, method, ours(method), "shapes")
+                time_modes(rec, shape, method, ours(method), "shapes", graph=True)
             except Exception as exc:
                 print(f"[shapes] {method} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
         for name, fla_fn in fla.items():
@@ -191,12 +210,13 @@ def part_shapes(rec, methods, shapes, fla):
             heads = slice(0, min(2, q.shape[2]))
             ref, _ = reference(*(x[:1, :, heads].transpose(1, 2) for x in (q, k, v)), device="cuda", chunk=2048)
             err = relative_error(o[:1, :, heads].transpose(1, 2), ref)
-            rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(q, k, v)), err, None, "shapes")
+            rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(q, k, v)), err, None, "shapes",
+                    gpu_ms=graph_or_none(lambda: run(q, k, v)))
             qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
             grad_out = torch.randn_like(v)
-            ms = float(do_bench(lambda: run(qg, kg, vg).backward(grad_out), warmup=25, rep=100,
-                                grad_to_none=[qg, kg, vg], return_mode="median"))
-            rec.add(shape, name, "fwd+bwd", "bf16", ms, None, None, "shapes")
+            step = lambda: run(qg, kg, vg).backward(grad_out)  # noqa: E731
+            ms = float(do_bench(step, warmup=25, rep=100, grad_to_none=[qg, kg, vg], return_mode="median"))
+            rec.add(shape, name, "fwd+bwd", "bf16", ms, None, None, "shapes", gpu_ms=graph_or_none(step, (qg, kg, vg)))
 
 
 def part_sweep(rec, methods, fla):
@@ -242,7 +262,7 @@ def _host_us(fn, calls=200):
     return host
 
 
-def _graph_ms(fn):
+def _graph_ms(fn, before_capture=None):
     """Median ms of fn replayed from a CUDA graph: the GPU's time with no host in the way."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -250,6 +270,8 @@ def _graph_ms(fn):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    if before_capture is not None:
+        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -381,21 +403,24 @@ def main():
 
 
 def summary(rows, env):
-    """The issue shapes, best of ours against the best fla, forward and forward+backward."""
+    """The issue shapes, best of ours against the best fla, forward and forward+backward: first as
+    ``do_bench`` of one call (host included), then as GPU time alone (CUDA-graph replay)."""
     floor_bytes = lambda s: 2 * (2 * s[0] * s[1] * s[2] * s[3] + 2 * s[0] * s[1] * s[2] * s[4])  # noqa: E731
     table = [r for r in rows if r["part"] == "shapes" and r["ms"] is not None]
     if not table:
         return
-    print(f"\n{'shape':24s} {'mode':8s} " + " ".join(f"{m:>10s}" for m in KERNEL_METHODS)
-          + f" {'fla best':>10s} {'speedup':>8s} {'floor':>7s}")
-    for shape in dict.fromkeys(tuple(r["shape"]) for r in table):
-        for mode in ("fwd", "fwd+bwd"):
-            cells = {r["impl"]: r["ms"] for r in table if tuple(r["shape"]) == shape and r["mode"] == mode}
-            fla_best = min((ms for impl, ms in cells.items() if impl.startswith("fla")), default=math.nan)
-            our_best = min((cells[m] for m in KERNEL_METHODS if m in cells), default=math.nan)
-            floor = floor_bytes(shape) / (env.get("copy_TBps", 4.27) * 1e12) * 1e3 if mode == "fwd" else math.nan
-            print(f"{str(shape):24s} {mode:8s} " + " ".join(f"{cells.get(m, math.nan):10.4f}" for m in KERNEL_METHODS)
-                  + f" {fla_best:10.4f} {fla_best / our_best:8.2f} {floor:7.4f}")
+    for key, title in (("ms", "do_bench, one call"), ("gpu_ms", "GPU time, CUDA-graph replay")):
+        print(f"\n{title}\n{'shape':24s} {'mode':8s} " + " ".join(f"{m:>10s}" for m in KERNEL_METHODS)
+              + f" {'fla best':>10s} {'speedup':>8s} {'floor':>7s}")
+        for shape in dict.fromkeys(tuple(r["shape"]) for r in table):
+            for mode in ("fwd", "fwd+bwd"):
+                cells = {r["impl"]: r.get(key) for r in table if tuple(r["shape"]) == shape and r["mode"] == mode}
+                cells = {impl: ms for impl, ms in cells.items() if ms is not None}
+                fla_best = min((ms for impl, ms in cells.items() if impl.startswith("fla")), default=math.nan)
+                our_best = min((cells[m] for m in KERNEL_METHODS if m in cells), default=math.nan)
+                floor = floor_bytes(shape) / (env.get("copy_TBps", 4.27) * 1e12) * 1e3 if mode == "fwd" else math.nan
+                print(f"{str(shape):24s} {mode:8s} " + " ".join(f"{cells.get(m, math.nan):10.4f}" for m in KERNEL_METHODS)
+                      + f" {fla_best:10.4f} {fla_best / our_best:8.2f} {floor:7.4f}")
 
 
 if __name__ == "__main__":
