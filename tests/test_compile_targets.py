@@ -123,6 +123,7 @@ def test_launch_variant_compiles_for_gpu_target(method, index, label, target):
 # --------------------------------------------------------------------------- coverage
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+_TENSOR_POINTER_TYPES = {**_POINTER_TYPES, torch.int32: "*i32"}  # int32: counters, never an input
 # What Triton compiles when the launch names no num_warps / num_stages (CUDA backend defaults).
 _DEFAULT_LAUNCH = {"num_warps": 4, "num_stages": 3}
 
@@ -175,7 +176,7 @@ def launch_matches(values, variant) -> bool:
             if value != variant["constexprs"][name]:
                 return False
         elif kind.startswith("*") and value is not None:  # None: an unused pointer
-            if not isinstance(value, torch.Tensor) or _POINTER_TYPES.get(value.dtype) != kind:
+            if not isinstance(value, torch.Tensor) or _TENSOR_POINTER_TYPES.get(value.dtype) != kind:
                 return False
     launch = {key: values.get(key, default) for key, default in _DEFAULT_LAUNCH.items()}
     return launch == {key: variant[key] for key in _DEFAULT_LAUNCH}
@@ -188,7 +189,7 @@ def describe_launch(kernel, values, variants) -> str:
     shown = {}
     for name, value in values.items():
         if isinstance(value, torch.Tensor):
-            shown[name] = _POINTER_TYPES.get(value.dtype, str(value.dtype))
+            shown[name] = _TENSOR_POINTER_TYPES.get(value.dtype, str(value.dtype))
         elif name in constexpr_names or not constexpr_names:
             shown[name] = value
     shown.update({key: values.get(key, default) for key, default in _DEFAULT_LAUNCH.items()})

@@ -4,15 +4,21 @@ Algorithm. The causal product's state is a prefix sum, S_t = S_0 + sum_{j <= t} 
 prefix sum of T terms need not be walked one term after another: cut the sequence into NS
 segments of L tokens, sum each segment on its own, scan the NS sums, and every segment knows
 where it starts (the "reduce, then scan, then propagate" prefix sum of Blelloch, "Prefix sums
-and their applications", 1990). Three kernels:
+and their applications", 1990). Three passes in two launches:
 
   1. summaries, one program per (batch*head, segment, block of E):  U_s = sum_{c in s} K_c^T V_c,
      walking the segment's chunks of C tokens on tensor-core tiles.
-  2. scan, one program per (batch*head, block of the D*E state entries):  P_s = S_0 + sum_{j<s} U_j
-     with ``tl.cumsum`` along the segment axis, BLOCK_W segments at a time with a running carry.
+  2. scan, in the same launch: the last pass-1 program of each (batch*head, block of E) to finish
+     (an atomic counter tells it) computes P_s = S_0 + sum_{j<s} U_j for every segment: all
+     D x BLOCK_E entries at once, the segments one after another with a running carry.
   3. outputs, one program per (batch*head, segment, block of E): from P_s, the chunked form
          O_c = Q_c S + ((Q_c K_c^T) * M) V_c,   then   S <- S + K_c^T V_c,
      and the program of the last segment stores S_T.
+
+Why pass 2 has no launch of its own: its GPU time is a few microseconds, a launch costs tens of
+microseconds of host time, and at the sizes where this method is chosen (one long sequence,
+few heads) the host would set the pace (H200: 0.30 ms per forward call with three launches,
+0.14 ms of it on the GPU).
 
 Passes 1 and 3 are independent across segments, so one long sequence with few heads still
 gives the GPU NS times more programs than a kernel that walks T in one program. The price is
@@ -90,17 +96,21 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def _segment_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
+    initial_state_ptr,              # S_0 of the walk, read through its strides (pass 2)
+    arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
     T, D, E, H,
     segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_ib, stride_ih, stride_id, stride_ie,
     REVERSE: tl.constexpr,          # walk segments from last to first
     BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
     BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see pass 3
 ):
-    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1), stored into slot w + 1."""
+    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1), stored into slot w + 1.
+    The last program of a (batch*head, value block) to finish then runs pass 2 for all of them."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
@@ -142,43 +152,49 @@ def _segment_summaries_kernel(
         b_sum = tl.dot(tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc=b_sum,
                        input_precision=FLOAT32_PRECISION)
 
-    slot = bh.to(tl.int64) * n_segments + walk + 1
-    states_ptr += slot * D * E
-    tl.store(states_ptr + offs_d[:, None] * E + offs_e[None, :], b_sum,
+    states_ptr += bh.to(tl.int64) * n_segments * D * E
+    tl.store(states_ptr + (walk + 1).to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :], b_sum,
              mask=mask_d[:, None] & mask_e[None, :])
+
+    # Pass 2 needs every sum of this (batch*head, value block), and programs cannot wait for
+    # each other. So each program counts itself in when its sum is stored, and the one that
+    # arrives last, which sees NS - 2 earlier arrivals, runs the scan. The barrier puts every
+    # thread's stores before the count; the count's acquire-release order makes the other
+    # programs' sums visible to the last one (a separate launch would cost more host time).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + bh * e_blocks + e_block, 1, sem="acq_rel")
+    if arrived == n_segments - 2:
+        initial_state_ptr += b64 * stride_ib + h64 * stride_ih
+        _scan_start_states(states_ptr, initial_state_ptr, stride_id, stride_ie, D, E, n_segments,
+                           e_block, BLOCK_D, BLOCK_E)
 
 
 @triton.jit
-def _segment_scan_kernel(
-    states_ptr,                     # float32 (B*H, NS, D, E), contiguous; slots 1..NS-1 hold sums
-    initial_state_ptr,              # S_0 of the walk, read through its strides
-    D, E, H, n_segments,
-    stride_ib, stride_ih, stride_id, stride_ie,
-    BLOCK_W: tl.constexpr,          # segments scanned per step
-    BLOCK_N: tl.constexpr,          # state entries (of D*E) per program
-):
-    """Pass 2: slot w <- S_0 + slots 1..w, an inclusive prefix sum seeded with S_0 in slot 0."""
-    bh = tl.program_id(0)
-    n_block = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < D * E
-    offs_w = tl.arange(0, BLOCK_W)
+def _scan_start_states(states_ptr, initial_state_ptr, stride_id, stride_ie, D, E, n_segments,
+                       e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, an inclusive prefix
+    sum seeded with S_0 in slot 0. states_ptr: this head's (NS, D, E) buffer.
 
-    initial_state_ptr += b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih
-    b_carry = tl.load(initial_state_ptr + (offs_n // E) * stride_id + (offs_n % E) * stride_ie,
-                      mask=mask_n, other=0.0)
-    states_ptr += bh.to(tl.int64) * n_segments * D * E
-    tl.store(states_ptr + offs_n, b_carry, mask=mask_n)
-    for first_slot in range(1, n_segments, BLOCK_W):
-        slots = first_slot + offs_w
-        pointers = states_ptr + slots[:, None].to(tl.int64) * D * E + offs_n[None, :]
-        mask = (slots < n_segments)[:, None] & mask_n[None, :]
-        b_sums = tl.load(pointers, mask=mask, other=0.0)
-        # The scan of the method: BLOCK_W start states at once, each the carry plus a prefix sum.
-        tl.store(pointers, b_carry[None, :] + tl.cumsum(b_sums, axis=0), mask=mask)
-        b_carry += tl.sum(b_sums, axis=0)
+    ROWS rows of the [BLOCK_D, BLOCK_E] slice at once, all their entries in parallel across the
+    threads; the segment axis serially, with a running carry. A step costs about one L2 round
+    trip, so the fewer steps the better: the whole slice when it has at most 4096 entries (as at
+    D = E = 64), else 2048 entries a step, which pass 1's registers still hold without spilling
+    (ptxas, sm_90, every 16-bit launch of ``launch_variants``)."""
+    ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
+    offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    for first_row in range(0, D, ROWS):
+        offs_d = first_row + tl.arange(0, ROWS)
+        mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
+        offs_state = offs_d[:, None] * E + offs_e[None, :]
+        b_carry = tl.load(initial_state_ptr + offs_d[:, None] * stride_id + offs_e[None, :] * stride_ie,
+                          mask=mask, other=0.0)
+        slot_ptr = states_ptr  # a scalar that steps D * E a slot: fewer registers than a tile of pointers
+        tl.store(slot_ptr + offs_state, b_carry, mask=mask)
+        for _ in range(1, n_segments):
+            slot_ptr += D * E
+            # .cg reads from L2: other multiprocessors wrote these sums.
+            b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
 
 @triton.jit
@@ -305,11 +321,6 @@ TUNING_CANDIDATES = [
 # Head dimensions the candidates are meant for (launch_variants compiles them for these).
 _TUNED_HEAD_DIMS = (64, 128)
 
-# Pass 2 works on float32 entries only, whatever the inputs: one fixed shape fits every call.
-_SCAN_BLOCK_W = 16
-_SCAN_BLOCK_N = 256
-_SCAN_NUM_WARPS = 4
-_SCAN_NUM_STAGES = 2
 
 # Programs per SM that pass 3 aims for: several let one program's loads overlap another's
 # products, and more than one wave evens out programs that finish at different times.
@@ -383,14 +394,22 @@ def _sm_count(device_index):
 
 
 def _resolve_config(q, v, config):
-    """The full launch configuration: the default rule, then the caller's overrides."""
+    """The full launch configuration: the default rule, then the caller's overrides. Callers must
+    not modify the dict it returns: it is cached (the rule costs microseconds of Python a call, a
+    sizeable part of a short call's host time)."""
     B, H, T, D = q.shape
-    E = v.shape[-1]
-    config = dict(config or {})
+    sm_count = _sm_count(q.device.index or 0) if q.device.type == "cuda" else _ASSUMED_SM_COUNT
+    overrides = tuple(sorted((config or {}).items()))
+    return _cached_config(B, H, T, D, v.shape[-1], q.dtype, sm_count, overrides)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_config(B, H, T, D, E, dtype, sm_count, overrides):
+    config = dict(overrides)
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
-    resolved = _default_blocks(D, E, q.dtype)
+    resolved = _default_blocks(D, E, dtype)
     resolved.update({key: value for key, value in config.items() if key != "SEGMENT_LEN"})
     for key in ("CHUNK", "BLOCK_E"):
         if resolved[key] < 16 or resolved[key] & (resolved[key] - 1):
@@ -401,11 +420,24 @@ def _resolve_config(q, v, config):
             raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK="
                              f"{resolved['CHUNK']}, got {length}")
     else:
-        sm_count = _sm_count(q.device.index or 0) if q.device.type == "cuda" else _ASSUMED_SM_COUNT
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"],
-                                 triton.cdiv(E, resolved["BLOCK_E"]), q.element_size(), sm_count)
+                                 triton.cdiv(E, resolved["BLOCK_E"]), dtype.itemsize, sm_count)
     resolved["SEGMENT_LEN"] = length
     return resolved
+
+
+def _zero(device):
+    """A float32 zero, the S_0 (or G) of every walk that has none: read, never written. One per
+    device, made outside any CUDA-graph capture (a tensor made during one holds no value until
+    the graph is replayed)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, device=device)
+    return _cached_zero(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_zero(device):
+    return torch.zeros(1, device=device)
 
 
 @dataclass(frozen=True)
@@ -420,7 +452,7 @@ class _States:
     def initial(state, device):
         """S_0 for every walk position; None becomes one zero shared through zero strides."""
         if state is None:
-            return _States(torch.zeros(1, device=device), (0, 0, 0, 0, 0))
+            return _States(_zero(device), (0, 0, 0, 0, 0))
         state = state.float()
         sb, sh, sd, se = state.stride()
         return _States(state, (sb, sh, 0, sd, se))
@@ -432,26 +464,23 @@ class _States:
 
 
 def _segment_starts(k, v, initial, *, reverse, config):
-    """Passes 1 and 2: the state each segment starts from, in walk order."""
+    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order."""
     B, H, T, D = k.shape
     E = v.shape[-1]
     n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
     if n_segments <= 1:
         return initial
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
+    e_blocks = triton.cdiv(E, block_e)
     states = torch.empty(B * H, n_segments, D, E, device=k.device, dtype=torch.float32)
-    _segment_summaries_kernel[(B * H * (n_segments - 1) * triton.cdiv(E, block_e),)](
-        k, v, states, T, D, E, H, config["SEGMENT_LEN"], n_segments,
-        *k.stride(), *v.stride(),
+    arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
+    sb, sh, _, sd, se = initial.strides
+    _segment_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
+        k, v, states, initial.tensor, arrivals, T, D, E, H, config["SEGMENT_LEN"], n_segments,
+        *k.stride(), *v.stride(), sb, sh, sd, se,
         REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
         INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    sb, sh, _, sd, se = initial.strides
-    _segment_scan_kernel[(B * H, triton.cdiv(D * E, _SCAN_BLOCK_N))](
-        states, initial.tensor, D, E, H, n_segments, sb, sh, sd, se,
-        BLOCK_W=_SCAN_BLOCK_W, BLOCK_N=_SCAN_BLOCK_N,
-        num_warps=_SCAN_NUM_WARPS, num_stages=_SCAN_NUM_STAGES,
     )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
 
@@ -564,8 +593,8 @@ def launch_variants():
     {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
      "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
     covering each dtype and each config the wrapper's rule can choose (every BLOCK_D and BLOCK_E
-    from 16 to 256), the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128, both walking directions,
-    and the one shape of the scan pass."""
+    from 16 to 256), the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128, and
+    both walking directions."""
     pointer = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
     block_sizes = (16, 32, 64, 128, 256)
     launches = set()  # (dtype, BLOCK_D, CHUNK, BLOCK_E, num_warps, num_stages)
@@ -585,7 +614,9 @@ def launch_variants():
                       "INTERPRETED": False}  # True only under the interpreter, never compiled
         sizes = _ints("T D E H segment_len n_segments")
         summaries = {"k_ptr": pointer[dtype], "v_ptr": pointer[dtype], "states_ptr": "*fp32",
-                     **sizes, **_strides("k", "d"), **_strides("v", "e")}
+                     "initial_state_ptr": "*fp32", "arrivals_ptr": "*i32",
+                     **sizes, **_strides("k", "d"), **_strides("v", "e"),
+                     **_ints("stride_ib stride_ih stride_id stride_ie")}
         outputs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), pointer[dtype]),
                    "start_ptr": "*fp32", "final_state_ptr": "*fp32", **sizes,
                    **_strides("q", "d"), **_strides("k", "d"),
@@ -596,12 +627,4 @@ def launch_variants():
             variants.append({"kernel": kernel,
                              "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
                              "constexprs": constexprs, "num_warps": warps, "num_stages": stages})
-    scan_constexprs = {"BLOCK_W": _SCAN_BLOCK_W, "BLOCK_N": _SCAN_BLOCK_N}
-    variants.append({
-        "kernel": _segment_scan_kernel,
-        "signature": {"states_ptr": "*fp32", "initial_state_ptr": "*fp32", **_ints("D E H n_segments"),
-                      **_ints("stride_ib stride_ih stride_id stride_ie"),
-                      **dict.fromkeys(scan_constexprs, "constexpr")},
-        "constexprs": scan_constexprs, "num_warps": _SCAN_NUM_WARPS, "num_stages": _SCAN_NUM_STAGES,
-    })
     return variants
