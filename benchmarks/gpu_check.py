@@ -115,8 +115,12 @@ def graph_or_none(fn, leaves=()):
     """GPU time of fn from a replayed CUDA graph, or None where fn cannot be captured. ``leaves``:
     tensors whose .grad fn fills; they start the capture without one, so that the graph writes
     fresh gradients as ``do_bench(grad_to_none=...)`` does, instead of adding into old ones."""
+    def fresh_gradients():
+        for leaf in leaves:
+            leaf.grad = None
+
     try:
-        return _graph_ms(fn, before_capture=lambda: [setattr(x, "grad", None) for x in leaves])
+        return _graph_ms(fn, before_capture=fresh_gradients)
     except Exception as exc:  # e.g. a host sync inside fn
         print(f"  (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]})")
         torch.cuda.synchronize()
