@@ -91,12 +91,13 @@ def test_gradients_match_float64_autograd(shape, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D, E", [(64, 64), (33, 20)])
-def test_fused_dk_dv_pass_across_chunks(D, E, dtype, device, monkeypatch):
-    """16-bit heads up to 64 wide take the fused dK/dV pass; checked over several chunks, with an
-    initial state and a gradient reaching the final state."""
+def test_fused_backward_across_chunks(D, E, dtype, device, monkeypatch):
+    """16-bit heads up to 64 wide take the fused backward (one launch for dQ, dK, dV and dS_0);
+    checked over several chunks, with an initial state and a gradient reaching the final state."""
     fused_calls = []
-    launch_dkdv = chunked._launch_dkdv
-    monkeypatch.setattr(chunked, "_launch_dkdv", lambda *args: fused_calls.append(1) or launch_dkdv(*args))
+    launch_backward = chunked._launch_backward
+    monkeypatch.setattr(chunked, "_launch_backward",
+                        lambda *args, **kwargs: fused_calls.append(1) or launch_backward(*args, **kwargs))
     T = 3 * C + 5
     q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=D + E,
                                 initial_state=True, requires_grad=True)
@@ -109,6 +110,35 @@ def test_fused_dk_dv_pass_across_chunks(D, E, dtype, device, monkeypatch):
     expected = _reference_gradients(q, k, v, s0, grad_o, grad_final_state)
     for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
         assert_close(x.grad, ref, dtype, name)
+
+
+@pytest.mark.parametrize("used", ["o", "final state"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-S0", "S0"])
+def test_fused_backward_with_absent_gradients(used, with_state, device):
+    """The fused backward's flags: q needs no gradient (no dQ walk), and only one output is used,
+    so autograd passes None for the other (G = 0, or dO = 0)."""
+    T, D, E = 2 * C + 7, 24, 40
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=9,
+                                initial_state=True)
+    s0 = s0.requires_grad_() if with_state else None
+    for x in (k, v):
+        x.requires_grad_()
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(5)).to(device, q.dtype)
+    grad_final_state = torch.randn(1, 2, D, E, generator=torch.Generator().manual_seed(6)).to(device)
+    with poisoned_allocations():
+        o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
+        if used == "o":
+            o.backward(grad_o)
+            grad_final_state = torch.zeros_like(grad_final_state)
+        else:
+            final_state.backward(grad_final_state)
+            grad_o = torch.zeros_like(grad_o)
+    assert q.grad is None
+    ref_s0 = torch.zeros(1, 2, D, E) if s0 is None else s0
+    expected = _reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)
+    for name, x, ref in zip(("dk", "dv", "d initial state"), (k, v, s0), expected[1:]):
+        if x is not None:
+            assert_close(x.grad, ref, torch.bfloat16, name)
 
 
 def test_fused_backward_rule():
@@ -228,6 +258,14 @@ def test_default_config_splits_value_blocks_only_for_few_heads(dtype):
             assert block_e == 32 or 2 * heads * triton.cdiv(E, block_e) >= 132
 
 
+@pytest.mark.parametrize("shared_memory", [chunked.HOPPER_SHARED_MEMORY, 166912, 101376])
+def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory):
+    for dtype in (torch.float16, torch.bfloat16):
+        for D, E in ((1, 1), (16, 64), (64, 64)):
+            fused = chunked.fused_backward_config(D, E, dtype, shared_memory=shared_memory)
+            assert chunked._fused_backward_shared_memory(fused, dtype) <= shared_memory
+
+
 def _variant_id(variant):
     c = variant["constexprs"]
     return (f"{variant['signature']['q_ptr'][1:]}-D{c['BLOCK_D']}-E{c['BLOCK_E']}-C{c['CHUNK']}"
@@ -246,8 +284,9 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ttx_tutorial.kernels import chunked
-UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_doe", "stride_dkd", "stride_dve")
-TOKEN_TENSORS = ("stride_q", "stride_k", "stride_v", "stride_o", "stride_d")  # d: dO, dK, dV
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_doe", "stride_dqd", "stride_dkd",
+                "stride_dve")
+TOKEN_TENSORS = ("stride_q", "stride_k", "stride_v", "stride_o", "stride_d")  # d: dO, dQ, dK, dV
 results = []
 for variant in chunked.launch_variants():
     signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])

@@ -18,8 +18,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) f
 Any strides; any T >= 0 (a partial last chunk is masked); D and E from 1 to 256 (blocks are
 powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
 
-Backward: dQ by the same kernel, dK and dV together by a second one. With dO the gradient of o
-and G that of S_T,
+Backward: three products of the same form. With dO the gradient of o and G that of S_T,
 
     dQ   = forward product of (dO, V, K) from S_0^T
     dK   = reverse product of (V, dO, Q) from G^T
@@ -27,9 +26,10 @@ and G that of S_T,
 
 where the reverse product (``reverse=1``) walks the chunks from last to first with the
 upper triangle of each chunk, so its state holds sum_{s >= t} k_s v_s^T. The states of the last
-two are transposes of one another, R = G + sum_{t >= s} q_t dO_t^T, so for 16-bit heads up to 64
-wide ``_chunked_dkdv_kernel`` walks once and writes both (one launch and one read of the inputs
-fewer); wider heads and float32 run the forward kernel twice in reverse instead.
+two are transposes of one another, R = G + sum_{t >= s} q_t dO_t^T. For 16-bit heads up to 64
+wide, ``_chunked_backward_kernel`` does it all in one launch: each program walks its head
+forwards for dQ, then backwards once for dK and dV together (one read of the inputs fewer).
+Wider heads and float32 run the forward kernel three times instead (``reverse`` flips it).
 
 Precision: every product accumulates in float32.
   float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
@@ -160,26 +160,37 @@ def _chunked_kernel(
 
 
 @triton.jit
-def _chunked_dkdv_kernel(
+def _chunked_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
-    dk_ptr, dv_ptr,                 # outputs (B, H, T, D) and (B, H, T, E), dtype of the inputs
-    g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32
+    dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
+    initial_state_ptr,              # S_0 (B, H, D, E) float32, read when has_initial_state
+    g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32, read when has_final_grad
     ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
     T, H, D, E,
+    compute_dq,                     # 0: skip the forward walk (q needs no gradient; dq_ptr unused)
+    has_initial_state,              # 0: S_0 = 0 (initial_state_ptr is never read)
+    has_final_grad,                 # 0: G = 0, S_T was not used (g_ptr is never read)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     stride_gb, stride_gh, stride_gd, stride_ge,
     BLOCK_D: tl.constexpr,          # >= D
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
     WIDEN_DOT_OPERANDS: tl.constexpr,
 ):
-    # The backward of dK and dV in one reverse walk (see "Backward" in the module docstring):
-    # with R_c = G + sum over later chunks of Q^T dO (D x E) and U the upper triangle (t >= s),
+    # The whole backward of one (batch, head) in one program (see "Backward" in the module
+    # docstring), as two walks over the chunks.
+    # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
+    # L the lower triangle (s <= t),
+    #   dQ_c = dO_c P_{c-1} + ((dO_c V_c^T) * L) K_c,   P_c = P_{c-1} + V_c^T K_c.
+    # Reverse walk, dK and dV: with R_c = G + sum over later chunks of Q^T dO (D x E) and U the
+    # upper triangle (t >= s),
     #   dV_c = ((K_c Q_c^T) * U) dO_c + K_c R_c,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R_c^T,
     #   R_{c-1} = R_c + Q_c^T dO_c,  and R_0 = dS_0.
     # Precision as in _chunked_kernel: float32 accumulators, intermediates rounded to bfloat16
@@ -196,6 +207,7 @@ def _chunked_dkdv_kernel(
     k_ptr += b * stride_kb + h * stride_kh
     v_ptr += b * stride_vb + h * stride_vh
     do_ptr += b * stride_dob + h * stride_doh
+    dq_ptr += b * stride_dqb + h * stride_dqh
     dk_ptr += b * stride_dkb + h * stride_dkh
     dv_ptr += b * stride_dvb + h * stride_dvh
 
@@ -204,14 +216,47 @@ def _chunked_dkdv_kernel(
     offs_c = tl.arange(0, CHUNK)
     mask_d = offs_d < D
     mask_e = offs_e < E
-    mask_de = mask_d[:, None] & mask_e[None, :]
-
-    g_ptr += b * stride_gb + h * stride_gh
-    b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge, mask=mask_de, other=0.0)
-    # Row s (token s) receives from column t (token t) when t >= s.
-    visible = offs_c[:, None] <= offs_c[None, :]
-
     num_chunks = (T + CHUNK - 1) // CHUNK
+
+    if compute_dq:
+        b_p = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+        if has_initial_state:
+            initial_state_ptr += b * stride_s0b + h * stride_s0h
+            b_p = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
+                          mask=mask_e[:, None] & mask_d[None, :], other=0.0)
+        # Row t (token t) receives from column s (token s) when s <= t.
+        lower = offs_c[:, None] >= offs_c[None, :]
+        for i in range(num_chunks):
+            offs_t = i * CHUNK + offs_c
+            mask_t = offs_t < T
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe,
+                           mask=mask_t[:, None] & mask_e[None, :], other=0.0)           # [C, E]
+            b_vt = tl.load(v_ptr + offs_e[:, None] * stride_ve + offs_t[None, :] * stride_vt,
+                           mask=mask_e[:, None] & mask_t[None, :], other=0.0)           # [E, C]
+            b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                          mask=mask_td, other=0.0)                                      # [C, D]
+            if WIDEN_DOT_OPERANDS:
+                b_do = b_do.to(tl.float32)
+                b_vt = b_vt.to(tl.float32)
+                b_k = b_k.to(tl.float32)
+            b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION)          # [C, C]
+            b_scores = tl.where(lower, b_scores, 0.0)
+            b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), b_p.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                          input_precision=FLOAT32_PRECISION)                             # [C, D]
+            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_k.to(MIXED_DOT_DTYPE), acc=b_dq,
+                          input_precision=FLOAT32_PRECISION)
+            b_p = tl.dot(b_vt, b_k, acc=b_p, input_precision=FLOAT32_PRECISION)
+            tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
+                     b_dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
+
+    b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    if has_final_grad:
+        g_ptr += b * stride_gb + h * stride_gh
+        b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    # Row s (token s) receives from column t (token t) when t >= s.
+    upper = offs_c[:, None] <= offs_c[None, :]
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < T
@@ -229,9 +274,9 @@ def _chunked_dkdv_kernel(
             b_do = b_do.to(tl.float32)
 
         b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
-        b_kq = tl.where(visible, b_kq, 0.0)
+        b_kq = tl.where(upper, b_kq, 0.0)
         b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
-        b_vdo = tl.where(visible, b_vdo, 0.0)
+        b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = b_r.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
         b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE), acc=b_dv,
@@ -247,7 +292,7 @@ def _chunked_dkdv_kernel(
                  b_dv.to(dv_ptr.dtype.element_ty), mask=mask_te)
 
     ds0_ptr += pid_bh.to(tl.int64) * D * E
-    tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_de)
+    tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
 
 # Shared memory one program may use on an H100 or H200 (227 KiB): the default for the rule below
@@ -376,51 +421,72 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     return o, final_state
 
 
-#: The fused dK/dV pass holds R (D x E), the two [C, C] score tiles and the dK and dV tiles of
-#: a chunk in registers at once. Compiled for sm_90 by Triton 3.6 at BLOCK_D = BLOCK_E = 64 with
-#: 8 warps, ptxas reports 211 registers and no spills for bfloat16 with 64-token chunks; float16,
-#: whose intermediates stay float32, spills 420 bytes there and none with 32-token chunks (176
-#: registers). Larger heads, and float32, take two passes.
+#: The fused backward's reverse walk holds R (D x E), the two [C, C] score tiles and the dK and
+#: dV tiles of a chunk in registers at once. Compiled for sm_90 by Triton 3.6 at BLOCK_D =
+#: BLOCK_E = 64 on 4 warps with 4 stages, ptxas reports no spills: 244 registers for bfloat16
+#: with 64-token chunks, 255 for float16 (whose intermediates stay float32) with 32-token ones.
+#: Larger heads, and float32, take three passes of the forward kernel.
 FUSED_BACKWARD_MAX_BLOCK = 64
 _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def fused_backward_config(D, E, dtype, config=None):
-    """Launch parameters of the fused dK/dV pass, or None where the backward takes two reverse
-    passes of the forward kernel instead. CHUNK follows the forward's configuration, at most 64
-    tokens for bfloat16 and 32 for float16 (see FUSED_BACKWARD_MAX_BLOCK); 8 warps share the
-    register tiles."""
+def _fused_backward_shared_memory(fused, dtype):
+    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO in
+    flight, plus R and its transpose as product operands (counted at 4 bytes)."""
+    chunk_bytes = fused["CHUNK"] * 2 * (fused["BLOCK_D"] + fused["BLOCK_E"]) * dtype.itemsize
+    return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
+
+
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=HOPPER_SHARED_MEMORY):
+    """Launch parameters of the fused backward (``_chunked_backward_kernel``), or None where the
+    backward takes three passes of the forward kernel instead. CHUNK follows the forward's
+    configuration, at most 64 tokens for bfloat16 and 32 for float16 (see
+    FUSED_BACKWARD_MAX_BLOCK). Measured on an H200 (Triton 3.6, bfloat16, D = E = 64, the reverse
+    walk alone): 4 warps with 4 stages of loads took 0.111 ms, 3 stages 0.116, 2 stages 0.171,
+    and 8 warps 0.17 to 0.24; one program per head leaves the load pipeline as the only source of
+    parallelism inside a multiprocessor, so deep pipelines win. Stages shrink until the loads fit
+    the GPU's shared memory."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
-    return {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 8, "num_stages": 2}
+    fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
+    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype) > shared_memory:
+        fused["num_stages"] -= 1
+    return fused
 
 
-def _launch_dkdv(q, k, v, grad_o, grad_final_state, fused):
-    """dK, dV and dS_0 in one reverse walk (``_chunked_dkdv_kernel``). grad_final_state: G, a
-    float32 tensor (autograd passes zeros when S_T was not used)."""
+def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *, compute_dq):
+    """dQ (when compute_dq), dK, dV and dS_0 in one launch (``_chunked_backward_kernel``).
+    initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
     ds0 = torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
-    _chunked_dkdv_kernel[(B * H,)](
-        q, k, v, grad_o, dk, dv, grad_final_state, ds0, T, H, D, E,
-        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        *grad_final_state.stride(),
+    # Absent tensors get a stand-in pointer the kernel never follows (its flag is 0).
+    dq_arg = dk if dq is None else dq
+    s0_arg = ds0 if initial_state is None else initial_state
+    g_arg = ds0 if grad_final_state is None else grad_final_state
+    _chunked_backward_kernel[(B * H,)](
+        q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, T, H, D, E,
+        int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
+        *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
         BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
         WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
         num_warps=fused["num_warps"], num_stages=fused["num_stages"],
     )
-    return dk, dv, ds0
+    return dq, dk, dv, ds0
 
 
 class _ChunkedCausalProduct(torch.autograd.Function):
-    """Forward: one pass. Backward: dQ by the same kernel, then dK and dV (module docstring)."""
+    """Forward: one pass. Backward: one fused launch, or up to three passes (module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to fill
         o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config)
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.config = config
@@ -431,20 +497,24 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         q, k, v, initial_state = ctx.saved_tensors
         needs_q, needs_k, needs_v, needs_initial_state, _ = ctx.needs_input_grad
         grad_q = grad_k = grad_v = grad_initial_state = None
+        if grad_o is None:  # only S_T was used
+            grad_o = torch.zeros_like(v)
+        fused = fused_backward_config(q.shape[-1], v.shape[-1], q.dtype, ctx.config,
+                                      shared_memory=_device_limits(q.device)[1])
+        if fused is not None and (needs_k or needs_v or needs_initial_state):
+            grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
+                q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q)
+            return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
+                    grad_initial_state if needs_initial_state else None, None)
         if needs_q:  # dq_t = sum_{s<=t} (dO_t . v_s) k_s + S_0 dO_t
             initial_t = None if initial_state is None else initial_state.transpose(-1, -2)
             grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config)
-        fused = fused_backward_config(q.shape[-1], v.shape[-1], q.dtype, ctx.config)
-        if fused is not None and (needs_k or needs_v or needs_initial_state):
-            grad_k, grad_v, grad_initial_state = _launch_dkdv(q, k, v, grad_o, grad_final_state, fused)
-            grad_k = grad_k if needs_k else None
-        else:
-            if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
-                grad_k, _ = _launch(v, grad_o, q, grad_final_state.transpose(-1, -2), reverse=True,
-                                    config=ctx.config)
-            if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
-                grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
-                                                     config=ctx.config)
+        if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
+            g_t = None if grad_final_state is None else grad_final_state.transpose(-1, -2)
+            grad_k, _ = _launch(v, grad_o, q, g_t, reverse=True, config=ctx.config)
+        if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
+            grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
+                                                 config=ctx.config)
         return (grad_q, grad_k, grad_v if needs_v else None,
                 grad_initial_state if needs_initial_state else None, None)
 
@@ -458,7 +528,7 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
 
     config keys: BLOCK_E, CHUNK (powers of two >= 16), num_warps, num_stages; missing keys keep
     the rule's value (``default_config``). The backward passes of the forward kernel use the same
-    config; the fused dK/dV pass takes its CHUNK (``fused_backward_config``).
+    config; the fused backward takes its CHUNK (``fused_backward_config``).
     """
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
@@ -494,13 +564,13 @@ def launch_variants():
             launches.add((torch.bfloat16, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
     variants = [_variant(dtype, block_d, dict(zip(_CONFIG_KEYS, values)))
                 for dtype, block_d, values in sorted(launches, key=str)]
-    # The fused dK/dV pass: its rule depends only on the dtype and the two blocks (the chunk of
+    # The fused backward: its rule depends only on the dtype and the two blocks (the chunk of
     # every rule and candidate configuration is at least 64, so the cap decides it).
     fused_blocks = [b for b in head_blocks if b <= FUSED_BACKWARD_MAX_BLOCK]
     for dtype in _FUSED_BACKWARD_DTYPES:
         for block_d in fused_blocks:
             for block_e in fused_blocks:
-                variants.append(_dkdv_variant(dtype, fused_backward_config(block_d, block_e, dtype)))
+                variants.append(_backward_variant(dtype, fused_backward_config(block_d, block_e, dtype)))
     return variants
 
 
@@ -521,18 +591,18 @@ def _variant(dtype, block_d, config):
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
-def _dkdv_variant(dtype, fused):
+def _backward_variant(dtype, fused):
     input_type = "*" + _TRITON_DTYPES[dtype]
-    signature = {name: input_type for name in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
-    signature.update({"g_ptr": "*fp32", "ds0_ptr": "*fp32"})
-    for name in ("T", "H", "D", "E"):
+    signature = {name: input_type for name in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
+    signature.update({"initial_state_ptr": "*fp32", "g_ptr": "*fp32", "ds0_ptr": "*fp32"})
+    for name in ("T", "H", "D", "E", "compute_dq", "has_initial_state", "has_final_grad"):
         signature[name] = "i32"
-    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("do", "bhte"), ("dk", "bhtd"),
-                         ("dv", "bhte"), ("g", "bhde")):
+    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("do", "bhte"), ("dq", "bhtd"),
+                         ("dk", "bhtd"), ("dv", "bhte"), ("s0", "bhde"), ("g", "bhde")):
         for axis in axes:
             signature[f"stride_{tensor}{axis}"] = "i32"
     constexprs = {"BLOCK_D": fused["BLOCK_D"], "BLOCK_E": fused["BLOCK_E"], "CHUNK": fused["CHUNK"],
                   "WIDEN_DOT_OPERANDS": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return {"kernel": _chunked_dkdv_kernel, "signature": signature, "constexprs": constexprs,
+    return {"kernel": _chunked_backward_kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": fused["num_warps"], "num_stages": fused["num_stages"]}
