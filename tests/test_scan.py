@@ -77,6 +77,8 @@ CASES = [
     pytest.param(BF16, 1, 1, 20, 256, 3, {"CHUNK": CHUNK, "SEGMENT_LEN": CHUNK}, True, id="D=256"),
     pytest.param(F16, 1, 1, 20, 3, 250, SHORT, True, id="E=250-several-value-blocks"),
     pytest.param(F32, 1, 1, 40, 24, 70, {**SHORT, "BLOCK_E": 16}, True, id="E=70-BLOCK_E=16"),
+    pytest.param(BF16, 2, 1, 5 * CHUNK + 7, 24, 40, SHORT, True, id="fused-backward-3-segments"),
+    pytest.param(F16, 1, 2, 4 * CHUNK, 64, 33, SHORT, False, id="fused-backward-float16-D=64"),
 ]
 # The wrapper's own rule; under the interpreter it cuts work as for 132 SMs, so these cross
 # segment boundaries too (checked below).
@@ -129,21 +131,42 @@ def test_non_contiguous_inputs():
     check_against_float64(*leaves, scan_with(SHORT), dtype=F32)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])  # three pass-3 launches, and the fused backward
 @pytest.mark.parametrize("used", ["o", "final state"])
-def test_gradient_of_one_output_alone(used):
+def test_gradient_of_one_output_alone(used, dtype):
     """Autograd hands the backward None for an output the loss does not use."""
-    q, k, v, s0 = random_inputs(1, 1, 40, 7, 9, dtype=F32, seed=11, initial_state=True,
+    q, k, v, s0 = random_inputs(1, 1, 40, 7, 9, dtype=dtype, seed=11, initial_state=True,
                                 requires_grad=True)
     with poisoned_allocations():
         o, final_state = scan.scan_causal_product(q, k, v, s0, config=SHORT)
         output = o if used == "o" else final_state
-        grads = torch.autograd.grad(output.sum(), (q, k, v, s0))
+        grads = torch.autograd.grad(output.float().sum(), (q, k, v, s0))
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
     ref_o, ref_state = quadratic(*ref_leaves)
     ref_grads = torch.autograd.grad((ref_o if used == "o" else ref_state).sum(), ref_leaves,
                                     allow_unused=True, materialize_grads=True)  # S_T ignores q
     for name, grad, ref_grad in zip(("dq", "dk", "dv", "d initial state"), grads, ref_grads):
-        assert_close(grad, ref_grad, F32, name)
+        assert_close(grad, ref_grad, F32 if name == "d initial state" else dtype, name)
+
+
+def test_fused_backward_without_dq(monkeypatch):
+    """q needs no gradient: the fused backward skips its forward walk (and is the path taken)."""
+    calls = []
+    fused = scan._segment_backward
+    monkeypatch.setattr(scan, "_segment_backward", lambda *a, **kw: calls.append(kw["compute_dq"]) or fused(*a, **kw))
+    q, k, v, s0 = random_inputs(1, 2, 3 * CHUNK + 2, 20, 12, dtype=BF16, seed=12, initial_state=True)
+    for x in (k, v, s0):
+        x.requires_grad_()
+    with poisoned_allocations():
+        o, final_state = scan.scan_causal_product(q, k, v, s0, config=SHORT)
+        grad_o, grad_state = loss_weights(o, final_state, seed=1)
+        grads = torch.autograd.grad((o, final_state), (k, v, s0), (grad_o, grad_state))
+    assert calls == [False]
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
+    ref_o, ref_state = quadratic(*ref_leaves)
+    ref_grads = torch.autograd.grad((ref_o, ref_state), ref_leaves[1:], (grad_o.double(), grad_state.double()))
+    for name, grad, ref_grad in zip(("dk", "dv", "d initial state"), grads, ref_grads):
+        assert_close(grad, ref_grad, F32 if name == "d initial state" else BF16, name)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -199,11 +222,13 @@ def test_tuning_candidates_are_valid_configs(dtype):
 
 def _main_variants(variants):
     """The launches of the benchmark shapes (bfloat16, D = E = 64 and 128, the default rule):
-    passes 1 (with pass 2 inside) and 3, forward and reverse."""
+    passes 1 (with pass 2 inside) and 3, forward and reverse, and the fused backward at 64."""
     wanted = set()
     for head_dim in (64, 128):
         rule = scan._default_blocks(head_dim, head_dim, BF16)
         wanted.add((head_dim, rule["BLOCK_E"], rule["CHUNK"], rule["num_warps"], rule["num_stages"]))
+    fused = scan._fused_backward_config(64, 64, BF16, 64, scan._HOPPER_SHARED_MEMORY)
+    wanted.add((64, 64, fused["CHUNK"], fused["num_warps"], fused["num_stages"]))
     chosen = []
     for variant in variants:
         constexprs = variant["constexprs"]
@@ -236,9 +261,9 @@ def test_main_launches_compile_for_sm90_with_tensor_cores():
                            timeout=900)
     assert child.returncode == 0, child.stderr[-4000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * 2 * 2  # head dims, directions, the two launches
+    assert len(results) == 2 * 2 * 2 + 1  # head dims, directions, the two launches; the fused backward
     kernels = {r["kernel"] for r in results}
-    assert kernels == {"_segment_summaries_kernel", "_segment_outputs_kernel"}
+    assert kernels == {"_segment_summaries_kernel", "_segment_outputs_kernel", "_segment_backward_kernel"}
     for r in results:
         assert r["ok"], f"{r['kernel']} {r['constexprs']}: {r['message']}"
         assert r["fits"], f"{r['kernel']} {r['constexprs']} needs more shared memory than sm_90 has"
