@@ -13,6 +13,9 @@ Parts (``--parts``, comma-separated, default all):
   overhead   where a call's time goes: each layer of the chunked path (API, kernel function,
              raw launch) and fla timed with do_bench, on the host alone, and as a replayed
              CUDA graph (GPU time only); plus a cProfile of the API's host path
+  trace      per shape, ours (the method ``auto`` picks) and fla's best kernel, forward and
+             forward+backward: host time per call, the host time of each wrapper function, and
+             the GPU time of every kernel from torch.profiler (a Chrome trace each, in --out)
 
 Timings are medians of ``triton.testing.do_bench``; inputs are bfloat16 with
 q, k ~ N(0, 1)/sqrt(D) and v ~ N(0, 1), layout (B, H, T, D) (fla gets (B, T, H, D), transposed
@@ -28,6 +31,7 @@ import importlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -105,7 +109,14 @@ def make_inputs(shape, dtype=torch.bfloat16, requires_grad=False, seed=0):
 
 def forward_error(fn, q, k, v):
     """Relative error of fn's output on a slice (batch 0, up to 2 heads) against float64."""
-    o = fn(q, k, v)
+    return output_error(fn(q, k, v), q, k, v)
+
+
+def output_error(o, q, k, v, fla_layout=False):
+    """Relative error of an output (B, H, T, E), or (B, T, H, E) from fla, on batch 0 and up to
+    two heads, against float64."""
+    if fla_layout:
+        o = o.transpose(1, 2)
     heads = slice(0, min(2, q.shape[1]))
     ref, _ = reference(q[:1, heads], k[:1, heads], v[:1, heads], device="cuda", chunk=2048)
     return relative_error(o[:1, heads], ref)
@@ -200,27 +211,47 @@ def part_tune(rec, methods, shapes, configs=None):
         print(f"  {method:10s} {str(shape):24s} {ms:8.4f} ms  {config or 'default'}")
 
 
-def part_shapes(rec, methods, shapes, fla):
+def part_shapes(rec, methods, shapes, fla, rounds=3):
+    """Each method and each fla kernel side by side at each shape. ``do_bench`` of one call is
+    host-bound at small sizes, and the host's speed drifts within a run (by up to 30 % here), so
+    the timings alternate between the contenders for ``rounds`` rounds and each row keeps the
+    median over rounds (the rounds themselves go to ``config``). GPU time comes from one graph
+    replay each."""
     for shape in shapes:
-        for method in methods:
+        q, k, v = make_inputs(shape)
+        grad_out = torch.randn(*shape[:3], shape[4], device="cuda", dtype=q.dtype)
+        contenders = {method: (ours(method), (q, k, v), grad_out) for method in methods}
+        for name, fla_fn in fla.items():  # fla's own (B, T, H, D) layout, made outside the timings
+            contenders[name] = (fla_wrapped(fla_fn), tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)),
+                                grad_out.transpose(1, 2).contiguous())
+        steps, errors, graphs = {}, {}, {}
+        for name, (fn, inputs, g) in list(contenders.items()):
+            leaves = [x.detach().requires_grad_(True) for x in inputs]
+
+            def forward(fn=fn, inputs=inputs):
+                return fn(*inputs)
+
+            def step(fn=fn, leaves=leaves, g=g):
+                fn(*leaves).backward(g)
+
             try:
-                time_modes(rec, shape, method, ours(method), "shapes", graph=True)
+                errors[name] = output_error(forward(), q, k, v, fla_layout=name.startswith("fla"))
+                step()
             except Exception as exc:
-                print(f"[shapes] {method} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-        for name, fla_fn in fla.items():
-            run = fla_wrapped(fla_fn)
-            q, k, v = (x.transpose(1, 2).contiguous() for x in make_inputs(shape))
-            o = run(q, k, v)
-            heads = slice(0, min(2, q.shape[2]))
-            ref, _ = reference(*(x[:1, :, heads].transpose(1, 2) for x in (q, k, v)), device="cuda", chunk=2048)
-            err = relative_error(o[:1, :, heads].transpose(1, 2), ref)
-            rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(q, k, v)), err, None, "shapes",
-                    gpu_ms=graph_or_none(lambda: run(q, k, v)))
-            qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
-            grad_out = torch.randn_like(v)
-            step = lambda: run(qg, kg, vg).backward(grad_out)  # noqa: E731
-            ms = float(do_bench(step, warmup=25, rep=100, grad_to_none=[qg, kg, vg], return_mode="median"))
-            rec.add(shape, name, "fwd+bwd", "bf16", ms, None, None, "shapes", gpu_ms=graph_or_none(step, (qg, kg, vg)))
+                print(f"[shapes] {name} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                del contenders[name]
+                continue
+            steps[name] = {"fwd": (forward, None), "fwd+bwd": (step, leaves)}
+            graphs[name] = {"fwd": graph_or_none(forward), "fwd+bwd": graph_or_none(step, leaves)}
+        timings = {(name, mode): [] for name in steps for mode in ("fwd", "fwd+bwd")}
+        for _ in range(rounds):
+            for name in steps:
+                for mode, (call, leaves) in steps[name].items():
+                    timings[name, mode].append(float(do_bench(call, warmup=25, rep=100, grad_to_none=leaves,
+                                                              return_mode="median")))
+        for (name, mode), values in timings.items():
+            rec.add(shape, name, mode, "bf16", statistics.median(values), errors[name] if mode == "fwd" else None,
+                    json.dumps({"rounds_ms": [round(x, 5) for x in values]}), "shapes", gpu_ms=graphs[name][mode])
 
 
 def part_sweep(rec, methods, fla):
@@ -341,6 +372,90 @@ def part_overhead(rec, fla, shapes):
         pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
+def _timed_functions(module, names, totals):
+    """Wrap module.<name> for each name so that each call adds its host seconds to totals[name];
+    returns a function that restores the originals. Works across threads (autograd runs the
+    backward on its own), unlike cProfile."""
+    originals = {name: getattr(module, name) for name in names}
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    for name, fn in originals.items():
+        setattr(module, name, wrap(name, fn))
+    return lambda: [setattr(module, name, fn) for name, fn in originals.items()] and None
+
+
+# The wrapper functions of each kernel file whose host time the trace part reports.
+TRACED_FUNCTIONS = {"chunked": ("_launch", "_launch_backward"),
+                    "scan": ("_forward", "_segment_starts", "_segment_outputs")}
+
+
+def part_trace(rec, fla, shapes, out):
+    """Where the time of one call goes, for ours and fla's best kernel at each shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 1024 * 1024 // 4, device="cuda")  # do_bench's L2 flush
+    for shape in shapes:
+        q, k, v = make_inputs(shape)
+        method = ttx_tutorial.choose_method(q, v)
+        grad_out = torch.randn(*shape[:3], shape[4], device="cuda", dtype=q.dtype)
+        impls = {method: (ours(method), (q, k, v))}
+        fla_name = "fla_fused_chunk" if shape[2] <= 4096 and shape[3] <= 64 else "fla_chunk"
+        if fla_name in fla:
+            impls[fla_name] = (fla_wrapped(fla[fla_name]), tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)))
+        for name, (fn, inputs) in impls.items():
+            leaves = tuple(x.detach().requires_grad_(True) for x in inputs)
+            g = grad_out if name == method else grad_out.transpose(1, 2).contiguous()
+
+            def forward(inputs=inputs, fn=fn):
+                fn(*inputs)
+
+            def step(leaves=leaves, fn=fn, g=g):
+                for leaf in leaves:
+                    leaf.grad = None
+                fn(*leaves).backward(g)
+
+            for mode, call in (("fwd", forward), ("fwd+bwd", step)):
+                call()
+                ms = median_ms(call)
+                totals = {}
+                restore = _timed_functions(kernel_module(method), TRACED_FUNCTIONS.get(method, ()), totals) \
+                    if name == method else (lambda: None)
+                calls = 100
+                host = _host_us(call, calls)
+                restore()
+                parts = {key: round(seconds / calls * 1e6, 1) for key, seconds in totals.items()}
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        flush.zero_()
+                        call()
+                    torch.cuda.synchronize()
+                trace_name = f"trace_{name}_{mode.replace('+', '_')}_{'x'.join(map(str, shape[:4]))}.json"
+                prof.export_chrome_trace(str(out / trace_name))
+                kernels = {}
+                for event in prof.key_averages():
+                    device_us = getattr(event, "self_device_time_total", None)
+                    if device_us is None:
+                        device_us = event.self_cuda_time_total
+                    if device_us > 0 and event.count:
+                        kernels[event.key[:60]] = (event.count // 10, round(device_us / 10, 1))
+                gpu_total = sum(us for _, us in kernels.values())
+                print(f"[trace] {name} {mode} {shape}: do_bench {ms:.4f} ms, host {host:.1f} us/call, wrapper us/call {parts}, "
+                      f"GPU {gpu_total:.1f} us/call incl. flush")
+                for kernel, (count, us) in sorted(kernels.items(), key=lambda item: -item[1][1]):
+                    print(f"    {us:9.1f} us  x{count}  {kernel}")
+                rec.add(shape, f"trace_{name}", mode, "bf16", ms, None,
+                        json.dumps({"host_us": round(host, 1), "wrappers_us": parts,
+                                    "kernels_us": {key: us for key, (_, us) in kernels.items()}}), "trace")
+
+
 def part_precision(rec):
     """One float32 [64, 64] x [64, 64] tl.dot per input precision against float64 (notebook 03)."""
     size = 64
@@ -363,6 +478,7 @@ def main():
     parser.add_argument("--no-fla", action="store_true", help="leave fla out even when it is installed")
     parser.add_argument("--configs", default=None,
                         help='JSON {method: [config, ...]}: try these in "tune" instead of TUNING_CANDIDATES')
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds in the shapes part")
     parser.add_argument("--shapes", default="", help="e.g. '8,16,4096,64;1,8,65536,64' (default: the issue shapes)")
     args = parser.parse_args()
     if not ttx_tutorial.on_gpu():
@@ -397,9 +513,11 @@ def main():
     if "tune" in parts:
         part_tune(rec, methods, shapes, json.loads(args.configs) if args.configs else None)
     if "shapes" in parts:
-        part_shapes(rec, methods, shapes, fla)
+        part_shapes(rec, methods, shapes, fla, args.rounds)
     if "sweep" in parts:
         part_sweep(rec, methods, fla)
+    if "trace" in parts:
+        part_trace(rec, fla, shapes, out)
     env["seconds"] = round(time.time() - started, 1)
     rec.save()
     print(f"\nwrote {rec.path} ({len(rec.rows)} rows, {env['seconds']} s)")
