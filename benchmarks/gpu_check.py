@@ -86,16 +86,19 @@ class Recorder:
     def save(self):
         self.path.write_text(json.dumps({"env": self.env, "rows": self.rows}, indent=1))
 
-    def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part="", gpu_ms=None):
+    def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part="", gpu_ms=None, rounds_ms=None):
         row = {"shape": list(shape), "impl": impl, "mode": mode, "dtype": dtype,
                "ms": None if ms is None else round(ms, 5),
                "rel_err": None if rel_err is None else float(f"{rel_err:.3e}"),
                "config": config, "part": part}
         if gpu_ms is not None:
             row["gpu_ms"] = round(gpu_ms, 5)
+        if rounds_ms is not None:
+            row["rounds_ms"] = [round(x, 5) for x in rounds_ms]
         self.rows.append(row)
         self.save()
         err = "" if rel_err is None else f"  err {rel_err:.1e}"
+        config = config or ("rounds " + " ".join(f"{x:.4f}" for x in rounds_ms) if rounds_ms else "")
         ms_text = "   n/a" if ms is None else f"{ms:9.4f}"
         gpu_text = "" if gpu_ms is None else f" (graph {gpu_ms:.4f})"
         print(f"[{part}] {impl:28s} {mode:8s} {str(tuple(shape)):26s} {ms_text} ms{gpu_text}{err}  {config or ''}",
@@ -215,8 +218,8 @@ def part_shapes(rec, methods, shapes, fla, rounds=3):
     """Each method and each fla kernel side by side at each shape. ``do_bench`` of one call is
     host-bound at small sizes, and the host's speed drifts within a run (by up to 30 % here), so
     the timings alternate between the contenders for ``rounds`` rounds and each row keeps the
-    median over rounds (the rounds themselves go to ``config``). GPU time comes from one graph
-    replay each."""
+    median over rounds (the rounds themselves go to ``rounds_ms``). GPU time comes from one
+    graph replay each."""
     for shape in shapes:
         q, k, v = make_inputs(shape)
         grad_out = torch.randn(*shape[:3], shape[4], device="cuda", dtype=q.dtype)
@@ -251,7 +254,7 @@ def part_shapes(rec, methods, shapes, fla, rounds=3):
                                                               return_mode="median")))
         for (name, mode), values in timings.items():
             rec.add(shape, name, mode, "bf16", statistics.median(values), errors[name] if mode == "fwd" else None,
-                    json.dumps({"rounds_ms": [round(x, 5) for x in values]}), "shapes", gpu_ms=graphs[name][mode])
+                    None, "shapes", gpu_ms=graphs[name][mode], rounds_ms=values)
 
 
 def part_sweep(rec, methods, fla):
@@ -399,6 +402,7 @@ TRACED_FUNCTIONS = {"chunked": ("_launch", "_launch_backward"),
 
 def part_trace(rec, fla, shapes, out):
     """Where the time of one call goes, for ours and fla's best kernel at each shape."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 * 1024 * 1024 // 4, device="cuda")  # do_bench's L2 flush
@@ -441,11 +445,14 @@ def part_trace(rec, fla, shapes, out):
                 prof.export_chrome_trace(str(out / trace_name))
                 kernels = {}
                 for event in prof.key_averages():
+                    # Kernels only: a CPU op (an autograd Function, aten::fill_) also reports the
+                    # device time of the kernels it launched, which would count them twice.
+                    if event.device_type != DeviceType.CUDA or not event.count:
+                        continue
                     device_us = getattr(event, "self_device_time_total", None)
                     if device_us is None:
                         device_us = event.self_cuda_time_total
-                    if device_us > 0 and event.count:
-                        kernels[event.key[:60]] = (event.count // 10, round(device_us / 10, 1))
+                    kernels[event.key[:60]] = (event.count // 10, round(device_us / 10, 1))
                 gpu_total = sum(us for _, us in kernels.values())
                 print(f"[trace] {name} {mode} {shape}: do_bench {ms:.4f} ms, host {host:.1f} us/call, wrapper us/call {parts}, "
                       f"GPU {gpu_total:.1f} us/call incl. flush")
