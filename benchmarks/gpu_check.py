@@ -452,7 +452,9 @@ def part_trace(rec, fla, shapes, out):
                     device_us = getattr(event, "self_device_time_total", None)
                     if device_us is None:
                         device_us = event.self_cuda_time_total
-                    kernels[event.key[:60]] = (event.count // 10, round(device_us / 10, 1))
+                    # Names are cut to 60 characters, so two template kernels can share one.
+                    count, us = kernels.get(event.key[:60], (0, 0.0))
+                    kernels[event.key[:60]] = (count + event.count // 10, round(us + device_us / 10, 1))
                 gpu_total = sum(us for _, us in kernels.values())
                 print(f"[trace] {name} {mode} {shape}: do_bench {ms:.4f} ms, host {host:.1f} us/call, wrapper us/call {parts}, "
                       f"GPU {gpu_total:.1f} us/call incl. flush")
