@@ -141,27 +141,32 @@ def graph_or_none(fn, leaves=()):
         return None
 
 
-def time_modes(rec, shape, impl, fn, part, config=None, with_backward=True, check=True, graph=False):
-    """Time fn(q, k, v) -> o forward, and forward+backward, and record both. With ``graph`` each
-    row also gets the GPU time alone (``gpu_ms``, a replayed CUDA graph): at small sizes
-    ``do_bench`` of one call measures the host as much as the kernels."""
+def time_forward(rec, shape, impl, fn, part, config=None):
+    """Time fn(q, k, v) -> o forward on fresh inputs, with its error against float64; record it."""
     q, k, v = make_inputs(shape)
-    err = forward_error(fn, q, k, v) if check else None
+    err = forward_error(fn, q, k, v)
     ms = median_ms(lambda: fn(q, k, v))
-    rec.add(shape, impl, "fwd", "bf16", ms, err, config, part,
-            gpu_ms=graph_or_none(lambda: fn(q, k, v)) if graph else None)
-    if not with_backward:
-        return ms, None
-    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
-    grad_out = torch.randn(*shape[:3], v.shape[-1], device="cuda", dtype=v.dtype)
+    rec.add(shape, impl, "fwd", "bf16", ms, err, config, part)
+    return ms
+
+
+def to_fla_layout(*tensors):
+    """(B, H, T, D) tensors as fla takes them, (B, T, H, D) and contiguous: made outside timings."""
+    return tuple(x.transpose(1, 2).contiguous() for x in tensors)
+
+
+def forward_and_step(fn, inputs, grad_out):
+    """The two calls a benchmark times: fn's forward, and forward+backward into ``leaves`` (fresh
+    copies of the inputs that require gradients; the caller clears their .grad between calls)."""
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+
+    def forward():
+        return fn(*inputs)
 
     def step():
-        fn(qg, kg, vg).backward(grad_out)
+        fn(*leaves).backward(grad_out)
 
-    ms_bwd = float(do_bench(step, warmup=25, rep=100, grad_to_none=[qg, kg, vg], return_mode="median"))
-    rec.add(shape, impl, "fwd+bwd", "bf16", ms_bwd, None, config, part,
-            gpu_ms=graph_or_none(step, (qg, kg, vg)) if graph else None)
-    return ms, ms_bwd
+    return forward, step, leaves
 
 
 def ours(method, config=None):
@@ -201,9 +206,8 @@ def part_tune(rec, methods, shapes, configs=None):
             timings = []
             for config in [None] + candidates:
                 try:
-                    ms, _ = time_modes(rec, shape, method, ours(method, config), "tune",
-                                       config=json.dumps(config) if config else "default",
-                                       with_backward=False, check=True)
+                    ms = time_forward(rec, shape, method, ours(method, config), "tune",
+                                      config=json.dumps(config) if config else "default")
                     timings.append((ms, config))
                 except Exception as exc:
                     print(f"[tune] {method} {shape} {config}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
@@ -224,25 +228,17 @@ def part_shapes(rec, methods, shapes, fla, rounds=3):
         q, k, v = make_inputs(shape)
         grad_out = torch.randn(*shape[:3], shape[4], device="cuda", dtype=q.dtype)
         contenders = {method: (ours(method), (q, k, v), grad_out) for method in methods}
-        for name, fla_fn in fla.items():  # fla's own (B, T, H, D) layout, made outside the timings
-            contenders[name] = (fla_wrapped(fla_fn), tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)),
-                                grad_out.transpose(1, 2).contiguous())
+        fla_q, fla_k, fla_v, fla_grad_out = to_fla_layout(q, k, v, grad_out)
+        for name, fla_fn in fla.items():
+            contenders[name] = (fla_wrapped(fla_fn), (fla_q, fla_k, fla_v), fla_grad_out)
         steps, errors, graphs = {}, {}, {}
-        for name, (fn, inputs, g) in list(contenders.items()):
-            leaves = [x.detach().requires_grad_(True) for x in inputs]
-
-            def forward(fn=fn, inputs=inputs):
-                return fn(*inputs)
-
-            def step(fn=fn, leaves=leaves, g=g):
-                fn(*leaves).backward(g)
-
+        for name, (fn, inputs, g) in contenders.items():
+            forward, step, leaves = forward_and_step(fn, inputs, g)
             try:
                 errors[name] = output_error(forward(), q, k, v, fla_layout=name.startswith("fla"))
                 step()
             except Exception as exc:
                 print(f"[shapes] {name} {shape}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                del contenders[name]
                 continue
             steps[name] = {"fwd": (forward, None), "fwd+bwd": (step, leaves)}
             graphs[name] = {"fwd": graph_or_none(forward), "fwd+bwd": graph_or_none(step, leaves)}
@@ -275,7 +271,7 @@ def part_sweep(rec, methods, fla):
                 median_ms(lambda: sdpa(q, k, v, is_causal=True)), None, None, "sweep")
         for name, fla_fn in fla.items():
             run = fla_wrapped(fla_fn)
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            qt, kt, vt = to_fla_layout(q, k, v)
             rec.add(shape, name, "fwd", "bf16", median_ms(lambda: run(qt, kt, vt)), None, None, "sweep")
 
 
@@ -346,7 +342,7 @@ def part_overhead(rec, fla, shapes):
             "empty_x2": lambda: (torch.empty_like(v), torch.empty_like(sf)),
         }
         if "fla_fused_chunk" in fla:
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            qt, kt, vt = to_fla_layout(q, k, v)
             layers["fla_fused_chunk"] = lambda: fla["fla_fused_chunk"](qt, kt, vt, scale=1.0, normalize=False)
         for name, fn in layers.items():
             fn()
@@ -410,23 +406,20 @@ def part_trace(rec, fla, shapes, out):
         q, k, v = make_inputs(shape)
         method = ttx_tutorial.choose_method(q, v)
         grad_out = torch.randn(*shape[:3], shape[4], device="cuda", dtype=q.dtype)
-        impls = {method: (ours(method), (q, k, v))}
+        impls = {method: (ours(method), (q, k, v), grad_out)}
         fla_name = "fla_fused_chunk" if shape[2] <= 4096 and shape[3] <= 64 else "fla_chunk"
         if fla_name in fla:
-            impls[fla_name] = (fla_wrapped(fla[fla_name]), tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)))
-        for name, (fn, inputs) in impls.items():
-            leaves = tuple(x.detach().requires_grad_(True) for x in inputs)
-            g = grad_out if name == method else grad_out.transpose(1, 2).contiguous()
+            *fla_inputs, fla_grad_out = to_fla_layout(q, k, v, grad_out)
+            impls[fla_name] = (fla_wrapped(fla[fla_name]), fla_inputs, fla_grad_out)
+        for name, (fn, inputs, g) in impls.items():
+            forward, step, leaves = forward_and_step(fn, inputs, g)
 
-            def forward(inputs=inputs, fn=fn):
-                fn(*inputs)
-
-            def step(leaves=leaves, fn=fn, g=g):
+            def fresh_step(step=step, leaves=leaves):  # many calls in a row: clear .grad each time
                 for leaf in leaves:
                     leaf.grad = None
-                fn(*leaves).backward(g)
+                step()
 
-            for mode, call in (("fwd", forward), ("fwd+bwd", step)):
+            for mode, call in (("fwd", forward), ("fwd+bwd", fresh_step)):
                 call()
                 ms = median_ms(call)
                 totals = {}
