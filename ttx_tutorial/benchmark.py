@@ -38,7 +38,8 @@ def load_recorded(name: str = "h200") -> dict:
     and each row is ``{"shape": [B, H, T, D, E], "impl": str, "mode": "fwd" | "fwd+bwd",
     "dtype": str, "ms": float | None, "rel_err": float | None, "config": str | None}``, with
     "run" (``env["commands"]`` says how it was made) and, in later runs, "gpu_ms" (the same
-    call replayed from a CUDA graph: GPU time alone).
+    call replayed from a CUDA graph: GPU time alone) and "rounds_ms" (the timings of the
+    alternating rounds whose median is "ms").
     """
     text = resources.files("ttx_tutorial").joinpath("data", f"{name}.json").read_text()
     return json.loads(text)
