@@ -54,8 +54,9 @@ REFERENCE_LIMITS = {"loop": 2048, "cumsum": 16384, "quadratic": 32768}  # larges
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def median_ms(fn, warmup=25, rep=100):
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+def median_ms(fn, warmup=25, rep=100, leaves=None):
+    """Median ms of do_bench; ``leaves``: tensors whose .grad is cleared before each call."""
+    return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median"))
 
 
 def load_fla():
@@ -194,8 +195,9 @@ def part_ceilings(rec, env):
     print(f"device-to-device copy: {env['copy_TBps']} TB/s (read + write)")  # the 2 GiB go with the frame
 
 
-def part_tune(rec, methods, shapes, configs=None):
-    """Each method's default against its TUNING_CANDIDATES (or the ``--configs`` given for it)."""
+def part_tune(rec, methods, shapes, configs=None, backward=False):
+    """Each method's default against its TUNING_CANDIDATES (or the ``--configs`` given for it);
+    with ``backward``, forward+backward too (a config applies to every launch of the call)."""
     best = {}
     for method in methods:
         module = kernel_module(method)
@@ -206,9 +208,17 @@ def part_tune(rec, methods, shapes, configs=None):
             timings = []
             for config in [None] + candidates:
                 try:
-                    ms = time_forward(rec, shape, method, ours(method, config), "tune",
-                                      config=json.dumps(config) if config else "default")
+                    label = json.dumps(config) if config else "default"
+                    ms = time_forward(rec, shape, method, ours(method, config), "tune", config=label)
                     timings.append((ms, config))
+                    if backward:
+                        q, k, v = make_inputs(shape)
+                        grad_out = torch.randn_like(v)
+                        _, step, leaves = forward_and_step(ours(method, config), (q, k, v), grad_out)
+                        step_ms = median_ms(step, leaves=leaves)
+                        rec.add(shape, method, "fwd+bwd", "bf16", step_ms, None, label, "tune")
+                    print(f"[tune] {method} {shape} {label}: fwd {ms:.4f} ms"
+                          + (f", fwd+bwd {step_ms:.4f} ms" if backward else ""))
                 except Exception as exc:
                     print(f"[tune] {method} {shape} {config}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
             if timings:
@@ -480,6 +490,7 @@ def main():
     parser.add_argument("--no-fla", action="store_true", help="leave fla out even when it is installed")
     parser.add_argument("--configs", default=None,
                         help='JSON {method: [config, ...]}: try these in "tune" instead of TUNING_CANDIDATES')
+    parser.add_argument("--tune-backward", action="store_true", help="time forward+backward in tune too")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds in the shapes part")
     parser.add_argument("--shapes", default="", help="e.g. '8,16,4096,64;1,8,65536,64' (default: the issue shapes)")
     args = parser.parse_args()
@@ -513,7 +524,8 @@ def main():
     if "overhead" in parts:
         part_overhead(rec, fla, [(1, 8, 256, 64, 64), (8, 16, 4096, 64, 64)])
     if "tune" in parts:
-        part_tune(rec, methods, shapes, json.loads(args.configs) if args.configs else None)
+        part_tune(rec, methods, shapes, json.loads(args.configs) if args.configs else None,
+                  args.tune_backward)
     if "shapes" in parts:
         part_shapes(rec, methods, shapes, fla, args.rounds)
     if "sweep" in parts:
