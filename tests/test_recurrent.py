@@ -96,6 +96,34 @@ def test_backward_matches_float64(shape, dtype, with_state):
         assert_close(x.grad, ref, dtype, name)
 
 
+#: The block walk with small blocks: several blocks and a partial last one at T = 7 and 33, and
+#: D > 16 split over key blocks whose float32 parts are added (on a GPU the rule picks this walk
+#: for few heads; the interpreter's rule never does).
+BLOCK_WALK = {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8}
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES + FORWARD_SHAPES[4:], ids=_shape_id)
+def test_block_walk_matches_float64(shape, dtype, with_state):
+    q, k, v, s0 = random_inputs(*shape, dtype=dtype, seed=sum(shape) + 2, initial_state=True,
+                                requires_grad=True)
+    s0 = s0 if with_state else None
+    B, H, T, D, E = shape
+    grad_o, grad_state = _upstream_gradients((B, H, T, E), (B, H, D, E), dtype, seed=T + 1)
+    with poisoned_allocations():
+        o, final_state = recurrent.recurrent_causal_product(q, k, v, s0, config=BLOCK_WALK)
+        torch.autograd.backward([o, final_state], [grad_o, grad_state])
+    ref_o, ref_state = reference(q, k, v, s0)
+    assert o.dtype == dtype
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(final_state, ref_state, dtype, "final state")
+    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
+        if x is not None:
+            assert_close(x.grad, ref, dtype, name)
+
+
 def test_non_contiguous_inputs_and_gradients():
     """(B, T, H, D) storage seen as (B, H, T, D), a transposed initial state, a strided dO."""
     B, H, T, D, E = 2, 3, 9, 6, 5
@@ -166,14 +194,21 @@ def test_unknown_config_key_is_refused():
 
 
 def test_default_rule_fills_the_gpu():
-    """Few heads (1, 8, 65536, 64) get narrower value blocks than many heads (8, 16, 4096, 64)."""
+    """Few heads (1, 8, 65536, 64) take the block walk with D split in two; many heads
+    (8, 16, 4096, 64) and D = 128 the token walk."""
     few_heads = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
     many_heads = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
-    assert few_heads["BLOCK_E"] == 4 and many_heads["BLOCK_E"] == 8
+    wide_heads = recurrent.default_config(1, 8, 128, 128, torch.bfloat16, multiprocessors=132)
+    assert few_heads["WALK"] == "blocks" and few_heads["BLOCK_D"] == 32
+    assert many_heads["WALK"] == "tokens" and many_heads["BLOCK_E"] == 8
+    assert wide_heads["WALK"] == "tokens"
     for D in (1, 16, 64, 100, 256):
         for dtype in DTYPES:
             for heads in (1, 4096):
                 cfg = recurrent.default_config(1, heads, D, 256, dtype, multiprocessors=132)
+                if cfg["WALK"] == "blocks":
+                    assert heads == 1 and D <= 64
+                    continue
                 block_d = recurrent._block_d(D)
                 # The groups fill the lanes the k tile leaves (see "Fragile" in the module docstring).
                 assert cfg["BLOCK_E"] // cfg["COLS"] == recurrent._groups(block_d, dtype.itemsize)
@@ -188,6 +223,15 @@ def test_config_validation():
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 2, "COLS": 4})
     with pytest.raises(ValueError, match="power of two"):
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 6})
+    with pytest.raises(ValueError, match="BLOCK_T must be a power of two"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "blocks", "BLOCK_T": 12})
+    with pytest.raises(ValueError, match="WALK must be one of"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "chunks"})
+    # Keys of the other walk are refused, not silently ignored.
+    with pytest.raises(ValueError, match=r"\['UNROLL'\] do not apply to WALK='blocks'"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "blocks", "UNROLL": 4})
+    with pytest.raises(ValueError, match=r"\['BLOCK_T'\] do not apply to WALK='tokens'"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "tokens", "BLOCK_T": 4})
 
 
 def _run_without_interpreter(script):
@@ -282,3 +326,63 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
     expected_layout = ("reduced layouts: ['#ttg.blocked<{sizePerThread = [8, 1, 1], "
                        "threadsPerWarp = [8, 4, 1]")
     assert expected_layout in report, report
+
+
+def test_few_heads_block_walk_compiles_to_an_in_thread_scan():
+    """The block walk's speed rests on its compiled shape (module docstring, "Block walk"): as
+    launched on aligned (1, 8, T, 64) bf16 tensors, every load of the block loop is an
+    asynchronous copy, the cumsum runs along registers of one thread (a scan across lanes would
+    cost shuffles at every step) and nothing spills."""
+    result = _run_without_interpreter("""
+        import re, subprocess, os
+        import torch, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import ttx_tutorial
+        from ttx_tutorial.kernels import recurrent
+
+        cfg = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
+        assert cfg["WALK"] == "blocks", cfg
+        variant = recurrent._variant(torch.bfloat16, 64, cfg)
+        signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
+        for name in ["stride_qd", "stride_kd", "stride_ve", "stride_oe", "store_final_state"]:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        divisible = [i for i, n in enumerate(signature) if signature[n] != "constexpr" and n != "T"]
+        source = ASTSource(variant["kernel"], signature=signature, constexprs=constexprs,
+                           attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]})
+        ttgir = compiled.asm["ttgir"]
+        lines = ttgir.splitlines()
+
+        def loop_body(start):
+            indent = len(lines[start]) - len(lines[start].lstrip())
+            end = next(i for i in range(start + 1, len(lines))
+                       if lines[i].strip().startswith("}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+            return "\\n".join(lines[start:end])
+
+        # The block loop (the other loop adds the initial state row by row).
+        loop = next(body for body in (loop_body(i) for i, line in enumerate(lines) if "scf.for" in line)
+                    if '"tt.scan"' in body)
+        layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", ttgir, re.M))
+        scanned = re.findall(r'"tt\\.scan".*?\\}\\) : \\(tensor<\\w+, (#\\w+)>', loop, re.S)
+        print("plain loads in the loop:", loop.count("tt.load "))
+        print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
+        print("scan layouts:", sorted({layouts[name] for name in scanned}))
+        # ptxas's resource usage of the cubin: STACK is the bytes of spilled registers.
+        import tempfile
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        print("resources:", re.search(r"REG:\\d+ STACK:\\d+", usage).group(0))
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stdout
+    assert "plain loads in the loop: 0" in report, report
+    assert "asynchronous copies in the loop: 0" not in report, report
+    # BLOCK_T (the scanned axis) has one lane: its elements are registers of each thread.
+    assert "scan layouts: ['#ttg.blocked<{sizePerThread = [1, 1, 1], threadsPerWarp = [1, 8, 4]" in report, report
+    assert "STACK:0" in report, report

@@ -191,8 +191,93 @@ def recurrent_kernel(
         tl.store(sT_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
 
 
-#: Keys a ``config`` dict may set.
-CONFIG_KEYS = ("BLOCK_E", "COLS", "num_warps", "UNROLL", "num_stages")
+@triton.jit
+def recurrent_cumsum_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
+    s0_ptr,  # initial state (B, H, D, E), float32; read only if has_initial_state
+    sT_ptr,  # final state (B, H, D, E), float32, contiguous; written only if store_final_state
+    T, H, D, E,
+    reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
+    has_initial_state, store_final_state,  # 0 or 1
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
+    stride_o_split,  # with several key blocks, o is float32 (key blocks, B, H, T, E): block j's part at j * this
+    BLOCK_D: tl.constexpr,  # key rows of the state per program (power of two)
+    BLOCK_E: tl.constexpr,  # value columns per program
+    BLOCK_T: tl.constexpr,  # steps of the walk handled at once
+    NUM_STAGES: tl.constexpr,  # software-pipeline depth of the block loop
+):
+    """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
+    # One flat grid: value block fastest, then key block, then (batch, head).
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+    num_d_blocks = (D + BLOCK_D - 1) // BLOCK_D
+    pid_e = tl.program_id(0) % num_e_blocks
+    pid_d = tl.program_id(0) // num_e_blocks % num_d_blocks
+    pid_bh = tl.program_id(0) // (num_e_blocks * num_d_blocks)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    offs_i = tl.arange(0, BLOCK_T)  # step i0 + i of the walk is row i of a block
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+
+    # This program's slice of the state, S[d0:d0 + BLOCK_D, e0:e0 + BLOCK_E], in float32.
+    b_state = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+    if has_initial_state:
+        # Row by row, so that this load does not impose its layout on the loop (see recurrent_kernel).
+        s0_row_ptr = s0_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :] * stride_s0e
+        for d in range(pid_d * BLOCK_D, tl.minimum(D, (pid_d + 1) * BLOCK_D)):
+            b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_e[None, :], other=0.0)
+            b_state += tl.where(offs_d[:, None] == d, b_row, 0.0)
+
+    # Step i reads token first + direction * i (tl.cast: see recurrent_kernel). The offsets
+    # within a block are 32-bit: 64-bit ones for every element would double the registers of
+    # the pointer tiles, and the block loop then spills.
+    first = tl.cast(reverse * (T - 1), tl.int64)
+    direction = 1 - 2 * reverse
+    rows = (direction * offs_i)[:, None]
+    q_block_ptr = (q_ptr + b * stride_qb + h * stride_qh + first * stride_qt) + rows * stride_qt + offs_d[None, :] * stride_qd
+    k_block_ptr = (k_ptr + b * stride_kb + h * stride_kh + first * stride_kt) + rows * stride_kt + offs_d[None, :] * stride_kd
+    v_block_ptr = (v_ptr + b * stride_vb + h * stride_vh + first * stride_vt) + rows * stride_vt + offs_e[None, :] * stride_ve
+    o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + b * stride_ob + h * stride_oh + first * stride_ot)
+                   + rows * stride_ot + offs_e[None, :] * stride_oe)
+    for i0 in tl.range(0, T, BLOCK_T, num_stages=NUM_STAGES):
+        mask_i = i0 + offs_i < T  # rows past the end load zeros: they add nothing to the state
+        b_k = tl.load(k_block_ptr, mask=mask_i[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        b_q = tl.load(q_block_ptr, mask=mask_i[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        b_v = tl.load(v_block_ptr, mask=mask_i[:, None] & mask_e[None, :], other=0.0).to(tl.float32)
+        # [BLOCK_T, BLOCK_D, BLOCK_E]: the outer product k_t v_t^T of every step, and their
+        # running sum, which is S_t - S_{i0 - 1}: a prefix sum over the block's steps.
+        b_kv = b_k[:, :, None] * b_v[:, None, :]
+        b_states = b_state[None, :, :] + tl.cumsum(b_kv, axis=0)
+        # o_t = S_t^T q_t for every step at once: the sums over D are independent of each other.
+        b_o = tl.sum(b_states * b_q[:, :, None], axis=1)
+        tl.store(o_block_ptr, b_o.to(o_block_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_e[None, :])
+        b_state += tl.sum(b_kv, axis=0)
+        q_block_ptr += direction * BLOCK_T * stride_qt
+        k_block_ptr += direction * BLOCK_T * stride_kt
+        v_block_ptr += direction * BLOCK_T * stride_vt
+        o_block_ptr += direction * BLOCK_T * stride_ot
+
+    if store_final_state:
+        sT_tile_ptr = sT_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
+        tl.store(sT_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
+
+
+#: The two walks: "tokens" (recurrent_kernel, one token per step) and "blocks"
+#: (recurrent_cumsum_kernel, BLOCK_T tokens per step), and the ``config`` keys each one reads.
+WALK_KEYS = {
+    "tokens": ("BLOCK_E", "COLS", "UNROLL", "num_warps", "num_stages"),
+    "blocks": ("BLOCK_D", "BLOCK_E", "BLOCK_T", "num_warps", "num_stages"),
+}
+
+#: Keys a ``config`` dict may set ("WALK" picks the walk; the others belong to one walk each).
+CONFIG_KEYS = ("WALK", *dict.fromkeys(WALK_KEYS["tokens"] + WALK_KEYS["blocks"]))
 
 #: Shared memory the default rule allows for the pipelined tiles of one program.
 _SHARED_MEMORY_BUDGET = 48 * 1024
@@ -200,12 +285,15 @@ _SHARED_MEMORY_BUDGET = 48 * 1024
 #: Alternatives to the default rule worth timing on a new GPU (D = 64 and 128 in mind); see the
 #: module docstring. Per-token SASS instructions of one warp (sm_90, bf16, Triton 3.6) in comments.
 TUNING_CANDIDATES = (
-    {"BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule: 105
-    {"BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},   # the same, half the smem
-    {"BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest per element: 161
-    {"BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, D=64 rule: 77
-    {"BLOCK_E": 2, "COLS": 2, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, 2x programs: 64, v not async
-    {"BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule: 161
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule: 105
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},   # the same, half the smem
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest per element: 161
+    {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, token walk: 77
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule: 161
+    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # few heads rule: 37
+    {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 8, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # 4 key blocks
+    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},  # 38
+    {"WALK": "blocks", "BLOCK_D": 64, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},  # D = 64 unsplit
 )
 
 #: SMs of an H100/H200: the rule's assumption when there is no GPU to ask (launches recorded or
@@ -229,10 +317,17 @@ def _groups(block_d: int, itemsize: int, num_warps: int = 1) -> int:
 
 
 def _shared_memory_bytes(block_d: int, cfg: dict, itemsize: int) -> int:
-    """Shared memory of the pipelined loads: the k and q tiles and the v row of each token."""
+    """Shared memory of the token walk's pipelined loads: the k and q tiles and the v row of each token."""
     groups = cfg["BLOCK_E"] // cfg["COLS"]
     per_token = (2 * block_d * groups + cfg["BLOCK_E"]) * itemsize
     return cfg["UNROLL"] * (cfg["num_stages"] - 1) * per_token
+
+
+def _blocks_config(D: int) -> dict:
+    """The block walk's rule: 32 key rows and 4 value columns a program (two programs share
+    D = 64 and add their partial outputs), 32 steps a block, one warp, 3 stages."""
+    return {"WALK": "blocks", "BLOCK_D": min(32, _block_d(D)), "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1,
+            "num_stages": 3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,37 +338,47 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int | None) -> dict:
-    """The wrapper's rule for BLOCK_E, COLS, num_warps, UNROLL and num_stages.
+    """The wrapper's rule: which walk, and its block sizes, num_warps and num_stages.
 
     ``multiprocessors``: the GPU's SM count, or None under the interpreter.
 
-    * One warp per program: the sum over D then never crosses warps (no shared memory, no
-      barriers), and many small programs hide each other's latency.
-    * BLOCK_E / COLS groups = the lanes the k tile leaves (``_groups``: 4 for D = 64 in 16-bit
-      precision); see "Fragile" in the module docstring.
-    * Many (batch, head) pairs: BLOCK_E = 8 (at least one column per group), UNROLL = 8: for
-      D = 64 bf16 two columns per thread share each k and q load, about 6.6 instructions per
-      state element and token, and B * H * E / 8 programs still give every SM several warps.
-    * Few pairs (B * H * E / 8 programs cannot give every SM four warps: long sequences, few
-      heads): BLOCK_E = 4 for twice the programs and UNROLL = 16, so that the v block stays large
-      enough to be copied asynchronously (UNROLL * BLOCK_E = 64); one warp is then alone on its
-      SM sub-partition and the unrolled tokens are its only latency hiding.
-    * num_stages = 3: the loads of the next two iterations are in flight while one is computed;
-      stages, then UNROLL, shrink until the pipelined tiles fit the budget.
-    * The interpreter runs programs one after another, so there the rule takes large blocks
-      instead: fewer, larger programs finish sooner.
+    * Many (batch, head) pairs, or D > 64: the token walk. One warp per program: the sum over D
+      then never crosses warps (no shared memory, no barriers), and many small programs hide
+      each other's latency.
+
+      - BLOCK_E / COLS groups = the lanes the k tile leaves (``_groups``: 4 for D = 64 in 16-bit
+        precision); see "Fragile" in the module docstring.
+      - BLOCK_E = 8 (at least one column per group), UNROLL = 8: for D = 64 bf16 two columns
+        per thread share each k and q load, about 6.6 instructions per state element and token.
+      - num_stages = 3: the loads of the next two iterations are in flight while one is
+        computed; stages, then UNROLL, shrink until the pipelined tiles fit the budget.
+    * Few pairs (B * H * E / 8 token-walk programs cannot give each SM four warps: long
+      sequences, few heads) and D <= 64: the block walk (``_blocks_config``). A lone warp on
+      its scheduler is then bound by the latency of each token's chain of dependent
+      instructions; the block walk's steps are independent but for one cumsum, and its key
+      split doubles the programs.
+    * The interpreter runs programs one after another, so there the rule takes the token walk
+      with large blocks instead: fewer, larger programs finish sooner.
     """
     block_d = _block_d(D)
     largest_e = triton.next_power_of_2(E)
     if multiprocessors is None:
         block_e = min(largest_e, max(1, 2048 // block_d))  # at most 64 state floats per thread
-        return {"BLOCK_E": block_e, "COLS": block_e, "num_warps": 1, "UNROLL": 4, "num_stages": 1}
+        return {"WALK": "tokens", "BLOCK_E": block_e, "COLS": block_e, "num_warps": 1, "UNROLL": 4,
+                "num_stages": 1}
+    tokens = _tokens_config(D, dtype)
+    if B * H * triton.cdiv(E, tokens["BLOCK_E"]) < 4 * multiprocessors and block_d <= 64:
+        return _blocks_config(D)
+    return tokens
+
+
+def _tokens_config(D: int, dtype: torch.dtype) -> dict:
+    """The token walk's rule (see ``default_config``)."""
+    block_d = _block_d(D)
     groups = _groups(block_d, dtype.itemsize)
-    block_e, unroll = max(8, groups), 8
-    if B * H * triton.cdiv(E, block_e) < 4 * multiprocessors:
-        block_e, unroll = max(4, groups), 16
-    cfg = {"BLOCK_E": block_e, "COLS": max(1, block_e // groups), "num_warps": 1, "UNROLL": unroll,
-           "num_stages": 3}
+    block_e = max(8, groups)
+    cfg = {"WALK": "tokens", "BLOCK_E": block_e, "COLS": max(1, block_e // groups), "num_warps": 1,
+           "UNROLL": 8, "num_stages": 3}
     while _shared_memory_bytes(block_d, cfg, dtype.itemsize) > _SHARED_MEMORY_BUDGET and cfg["UNROLL"] > 1:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
@@ -299,16 +404,29 @@ def _resolve_config(q, v, config):
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
+    walk = config.get("WALK", chosen["WALK"])
+    if walk not in WALK_KEYS:
+        raise ValueError(f"WALK must be one of {tuple(WALK_KEYS)}, got {walk!r}")
+    stray = set(config) - {"WALK", *WALK_KEYS[walk]}
+    if stray:
+        raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
+                         f"{WALK_KEYS[walk]}")
+    if walk != chosen["WALK"]:  # the other walk's rule as the base
+        chosen = _blocks_config(D) if walk == "blocks" else _tokens_config(D, q.dtype)
     chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
-    if "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
+    if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
         groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
         chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
-    block_e, cols = chosen["BLOCK_E"], chosen["COLS"]
-    for name, value in (("BLOCK_E", block_e), ("COLS", cols)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
-    if cols > block_e:
-        raise ValueError(f"COLS ({cols}) must not exceed BLOCK_E ({block_e})")
+    for name in WALK_KEYS[walk][:3]:  # the block sizes
+        value = chosen[name]
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value!r}")
+    if walk == "tokens" and chosen["COLS"] > chosen["BLOCK_E"]:
+        raise ValueError(f"COLS ({chosen['COLS']}) must not exceed BLOCK_E ({chosen['BLOCK_E']})")
+    if walk == "blocks":
+        # At most the whole key dimension: the backward walks reuse the forward's config with
+        # the roles of D and E swapped, so a BLOCK_D that splits D may hold all of E.
+        chosen["BLOCK_D"] = min(chosen["BLOCK_D"], _block_d(D))
     return chosen
 
 
@@ -325,15 +443,35 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
     unused = torch.empty(0, dtype=torch.float32, device=q.device)
     s0 = initial_state if initial_state is not None else unused
-    grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
-    recurrent_kernel[grid](
-        q, k, v, o, s0, final_state if store_final_state else unused,
-        T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        *(initial_state.stride() if initial_state is not None else (0, 0, 0, 0)),
-        BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
+    arguments = (int(reverse), int(initial_state is not None), int(store_final_state),
+                 *q.stride(), *k.stride(), *v.stride())
+    s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    if cfg["WALK"] == "tokens":
+        grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
+        recurrent_kernel[grid](
+            q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
+            *arguments, *o.stride(), *s0_strides,
+            BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
+            NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return o, final_state
+    key_blocks = triton.cdiv(D, cfg["BLOCK_D"])
+    # Several key blocks each write their part of o's sum over D, in float32; they add up below.
+    parts = (torch.empty((key_blocks, B, H, T, E), dtype=torch.float32, device=q.device)
+             if key_blocks > 1 else o[None])
+    grid = (triton.cdiv(E, cfg["BLOCK_E"]) * key_blocks * B * H,)
+    recurrent_cumsum_kernel[grid](
+        q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
+        *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
+        BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
         NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if key_blocks > 1:
+        # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
+        total = parts[0]
+        for part in parts[1:-1]:
+            total = total + part
+        torch.add(total, parts[-1], out=o)
     return o, final_state
 
 
@@ -381,17 +519,33 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config)
 
 
-def _signature(dtype: torch.dtype) -> dict:
+def _signature(dtype: torch.dtype, walk: str = "tokens", parts: bool = False) -> dict:
+    """The launch signature of one walk's kernel; ``parts``: o is the block walk's float32 parts."""
     tensor = "*" + _TRITON_DTYPES[dtype]
-    signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": tensor,
+    signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": "*fp32" if parts else tensor,
                  "s0_ptr": "*fp32", "sT_ptr": "*fp32"}
     scalars = ["T", "H", "D", "E", "reverse", "has_initial_state", "store_final_state"]
     scalars += [f"stride_{x}{axis}" for x in "qk" for axis in "bhtd"]
     scalars += [f"stride_{x}{axis}" for x in "vo" for axis in "bhte"]
     scalars += [f"stride_s0{axis}" for axis in "bhde"]
+    scalars += ["stride_o_split"] if walk == "blocks" else []
     signature.update({name: "i32" for name in scalars})
-    signature.update({name: "constexpr" for name in ("BLOCK_D", "BLOCK_E", "COLS", "UNROLL", "NUM_STAGES")})
+    blocks = ("BLOCK_D", "BLOCK_E", "COLS", "UNROLL") if walk == "tokens" else ("BLOCK_D", "BLOCK_E", "BLOCK_T")
+    signature.update({name: "constexpr" for name in (*blocks, "NUM_STAGES")})
     return signature
+
+
+def _variant(dtype: torch.dtype, block_d: int, cfg: dict) -> dict:
+    """The launch ``_launch`` makes for a (padded) key dimension ``block_d`` with config ``cfg``."""
+    if cfg["WALK"] == "tokens":
+        kernel, parts = recurrent_kernel, False
+        constexprs = {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"], "UNROLL": cfg["UNROLL"]}
+    else:
+        kernel, parts = recurrent_cumsum_kernel, cfg["BLOCK_D"] < block_d
+        constexprs = {"BLOCK_D": min(cfg["BLOCK_D"], block_d), "BLOCK_E": cfg["BLOCK_E"], "BLOCK_T": cfg["BLOCK_T"]}
+    return {"kernel": kernel, "signature": _signature(dtype, cfg["WALK"], parts),
+            "constexprs": {**constexprs, "NUM_STAGES": cfg["num_stages"]},
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def launch_variants():
@@ -407,15 +561,7 @@ def launch_variants():
         configs = [(block_d, default_config(1, heads, block_d, 64, dtype, _NOMINAL_MULTIPROCESSORS))
                    for block_d in (16, 32, 64, 128, 256) for heads in (1, 4096)]
         configs += [(block_d, dict(candidate)) for block_d in (64, 128) for candidate in TUNING_CANDIDATES]
-        for index, (block_d, cfg) in enumerate(configs):
-            if (block_d, cfg) in configs[:index]:
-                continue
-            variants.append({
-                "kernel": recurrent_kernel,
-                "signature": _signature(dtype),
-                "constexprs": {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"],
-                               "UNROLL": cfg["UNROLL"], "NUM_STAGES": cfg["num_stages"]},
-                "num_warps": cfg["num_warps"],
-                "num_stages": cfg["num_stages"],
-            })
+        for variant in (_variant(dtype, block_d, cfg) for block_d, cfg in configs):
+            if variant not in variants:
+                variants.append(variant)
     return variants
