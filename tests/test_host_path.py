@@ -56,5 +56,6 @@ def test_config_overrides_leave_the_cached_rules_untouched(device):
                                           shared_memory=shared_memory) == rule
 
     before = dict(recurrent._resolve_config(q, v, None))
-    recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 2, "BLOCK_E": 4})
+    recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 2, "BLOCK_E": 4})  # the token walk
+    recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_T": 4, "BLOCK_E": 2})  # the block walk
     assert recurrent._resolve_config(q, v, None) == before

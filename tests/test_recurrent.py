@@ -232,6 +232,16 @@ def test_config_validation():
         recurrent.recurrent_causal_product(q, k, v, config={"WALK": "blocks", "UNROLL": 4})
     with pytest.raises(ValueError, match=r"\['BLOCK_T'\] do not apply to WALK='tokens'"):
         recurrent.recurrent_causal_product(q, k, v, config={"WALK": "tokens", "BLOCK_T": 4})
+    with pytest.raises(ValueError, match="do not apply to WALK"):  # keys of both walks
+        recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 4, "BLOCK_T": 4})
+
+
+def test_config_without_walk_takes_the_walk_that_reads_its_keys():
+    q, k, v = random_inputs(1, 1, 2, 4, seed=0)
+    assert recurrent._resolve_config(q, v, {"UNROLL": 2})["WALK"] == "tokens"
+    assert recurrent._resolve_config(q, v, {"BLOCK_T": 16})["WALK"] == "blocks"
+    rule = recurrent._resolve_config(q, v, None)["WALK"]
+    assert recurrent._resolve_config(q, v, {"BLOCK_E": 2})["WALK"] == rule  # both read it
 
 
 def _run_without_interpreter(script):

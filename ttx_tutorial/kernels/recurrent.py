@@ -14,7 +14,21 @@ Algorithm
     the tensor cores, and tiny ``tl.dot`` blocks are what the Triton compiler once miscompiled
     and now refuses. Time O(T * D * E) per head, memory O(D * E) per program: linear in T.
 
-Backward (the same kernel, four launches in all)
+Two walks (``config["WALK"]``)
+    ``"tokens"`` (``recurrent_kernel``) takes one token per step, exactly as written above.
+    ``"blocks"`` (``recurrent_cumsum_kernel``) takes BLOCK_T tokens per step: with the
+    [BLOCK_T, BLOCK_D, BLOCK_E] tile of outer products of a block, the states are a prefix
+    sum, ``S_{i0-1} + tl.cumsum(k v^T, axis=0)``, and all BLOCK_T outputs are reduced over D at
+    once. Same arithmetic order of magnitude (about twice the additions), but the steps of a
+    block no longer wait for each other. That matters when the GPU is not full: with few
+    (batch, head) pairs each warp is alone on its scheduler, and the token walk's time is the
+    latency of one token's chain of dependent instructions (load, convert, update, multiply,
+    three shuffles), about 90 ns a token on an H200, however little work the warp has. The
+    block walk also splits D over key blocks (``BLOCK_D`` < D: programs hold different rows
+    of S and write float32 parts of o, added on the host) to have more programs.
+    ``default_config`` picks the walk; both give the same results up to rounding.
+
+Backward (the same kernels, three launches)
     Let dO be the gradient of o, G that of the final state (zeros when unused) and
     P_t = G + sum_{s >= t} q_s dO_s^T, the gradient reaching S_t. Then::
 
@@ -33,7 +47,7 @@ Shapes and precision
     strides. T >= 0; 1 <= D, E <= 256 (blocks are powers of two, tails masked). Inputs float32,
     float16 or bfloat16; products and the state in float32; o in the input dtype.
 
-Register layout (what makes it fast)
+Register layout of the token walk (what makes it fast)
     The state is held as a [BLOCK_D, GROUPS, COLS] tensor, GROUPS * COLS = BLOCK_E: value column
     e0 + g * COLS + c. k_t and q_t are loaded as [BLOCK_D, GROUPS, 1] tiles (broadcast along the
     groups: every group reads the same d); Triton's coalescing gives each thread a 16-byte run of
@@ -49,11 +63,14 @@ Register layout (what makes it fast)
     one run without a per-token sequence mask (a separate loop does the last T % UNROLL tokens).
 
 Tuning (``config``)
-    ``BLOCK_E`` (value columns per program), ``COLS`` (value columns per thread; BLOCK_E / COLS
-    groups), ``num_warps``, ``UNROLL`` (tokens per loop iteration) and ``num_stages`` (the
-    software pipeline: the loads of ``num_stages - 1`` iterations ahead are in flight while one
-    iteration computes). ``default_config`` explains the rule; ``TUNING_CANDIDATES`` are the
-    alternatives a benchmark should also try.
+    ``WALK`` ("tokens" or "blocks"; without it, the rule's walk if it reads every key given,
+    else the one that does), ``BLOCK_E`` (value columns per program), ``num_warps`` and
+    ``num_stages`` (the software pipeline: the loads of ``num_stages - 1`` iterations ahead
+    are in flight while one iteration computes); for the token walk ``COLS`` (value columns
+    per thread; BLOCK_E / COLS groups) and ``UNROLL`` (tokens per loop iteration); for the
+    block walk ``BLOCK_D`` (key rows per program) and ``BLOCK_T`` (tokens per block).
+    ``default_config`` explains the rule; ``TUNING_CANDIDATES`` are the alternatives a
+    benchmark should also try.
 
 Tested
     Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_80 and sm_90 without a
@@ -72,7 +89,14 @@ Fragile
       loaded as one tile, float32 with 4 elements per thread, it made Triton 3.9 lay the loop out
       with 4 d per thread and split COLS over lanes.
       ``tests/test_recurrent.py::test_default_bf16_launch_pipelines_every_load`` checks the
-      compiled layout and loads; run it after a Triton upgrade.
+      compiled layout and loads; run it after a Triton upgrade. The block walk adds its initial
+      state row by row too: loaded as one tile, it raised Triton 3.6's registers for the block
+      loop from 95 to 243 (Triton 3.9 spilled).
+    * The block walk is fast when the cumsum axis (BLOCK_T) lies in each thread's registers, so
+      that the scan is a chain of additions, and every load of the block loop is an
+      asynchronous copy; ``test_few_heads_block_walk_compiles_to_an_in_thread_scan`` checks
+      both, and that nothing spills. Larger tiles spill: BLOCK_D = 64 with BLOCK_E = 8 and
+      BLOCK_T = 32 needs 2 KiB of stack per thread.
     * Triton 3.6 copies a load asynchronously only when each thread copies at least 4 bytes and
       the block has no replicated elements: the v block needs UNROLL * BLOCK_E >= 64 in 16-bit
       precision (the default rule keeps it so; other configs fall back to one plain load of the
@@ -352,11 +376,15 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
         per thread share each k and q load, about 6.6 instructions per state element and token.
       - num_stages = 3: the loads of the next two iterations are in flight while one is
         computed; stages, then UNROLL, shrink until the pipelined tiles fit the budget.
-    * Few pairs (B * H * E / 8 token-walk programs cannot give each SM four warps: long
-      sequences, few heads) and D <= 64: the block walk (``_blocks_config``). A lone warp on
-      its scheduler is then bound by the latency of each token's chain of dependent
-      instructions; the block walk's steps are independent but for one cumsum, and its key
-      split doubles the programs.
+    * Few pairs (fewer than 3 token-walk programs per SM: long sequences, few heads) and
+      D <= 64: the block walk (``_blocks_config``). A warp alone on its scheduler is then bound
+      by the latency of each token's chain of dependent instructions (about 90 ns a token on
+      an H200, whatever the program count up to one warp per scheduler); the block walk's
+      steps are independent but for one cumsum (33 ns a token at 256 programs), but it does
+      twice the arithmetic per state element and has 4x the programs, so it slows down
+      as soon as they outnumber the schedulers. Measured crossover (H200, bf16, D = 64):
+      about 2.8 token programs per SM; at (4, 16, 8192, 64), 3.9 per SM, the token walk is
+      25 % faster, at (1, 8, 65536, 64) the block walk 2.7x.
     * The interpreter runs programs one after another, so there the rule takes the token walk
       with large blocks instead: fewer, larger programs finish sooner.
     """
@@ -367,7 +395,7 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
         return {"WALK": "tokens", "BLOCK_E": block_e, "COLS": block_e, "num_warps": 1, "UNROLL": 4,
                 "num_stages": 1}
     tokens = _tokens_config(D, dtype)
-    if B * H * triton.cdiv(E, tokens["BLOCK_E"]) < 4 * multiprocessors and block_d <= 64:
+    if B * H * triton.cdiv(E, tokens["BLOCK_E"]) < 3 * multiprocessors and block_d <= 64:
         return _blocks_config(D)
     return tokens
 
@@ -404,7 +432,9 @@ def _resolve_config(q, v, config):
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
-    walk = config.get("WALK", chosen["WALK"])
+    # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
+    readers = [walk for walk, keys in WALK_KEYS.items() if set(config) <= set(keys)]
+    walk = config.get("WALK", chosen["WALK"] if chosen["WALK"] in readers or not readers else readers[0])
     if walk not in WALK_KEYS:
         raise ValueError(f"WALK must be one of {tuple(WALK_KEYS)}, got {walk!r}")
     stray = set(config) - {"WALK", *WALK_KEYS[walk]}
