@@ -5,7 +5,8 @@
 
 Parts (``--parts``, comma-separated, default all):
   ceilings   device-to-device copy bandwidth (the memory floor of a forward pass)
-  tune       every candidate config of each kernel (its TUNING_CANDIDATES) at the issue shapes
+  tune       every candidate config of each kernel (its TUNING_CANDIDATES) at the issue shapes;
+             with --tune-backward, forward+backward too
   shapes     the issue shapes: each method and fla side by side, forward and forward+backward,
              with the relative error of each forward against a float64 reference
   sweep      time versus T at (B, H, D, E) = (1, 8, 64, 64) for every method and softmax SDPA
