@@ -10,7 +10,7 @@ Parts (``--parts``, comma-separated, default all):
   shapes     the issue shapes: each method and fla side by side, forward and forward+backward,
              with the relative error of each forward against a float64 reference
   sweep      time versus T at (B, H, D, E) = (1, 8, 64, 64) for every method and softmax SDPA
-  precision  float32 tl.dot error with TF32 and with IEEE inputs (notebook 03)
+  precision  float32 tl.dot error with TF32 and with IEEE inputs (notebook 04)
   overhead   where a call's time goes: each layer of the chunked path (API, kernel function,
              raw launch) and fla timed with do_bench, on the host alone, and as a replayed
              CUDA graph (GPU time only); plus a cProfile of the API's host path
@@ -470,7 +470,7 @@ def part_trace(rec, fla, shapes, out):
 
 
 def part_precision(rec):
-    """One float32 [64, 64] x [64, 64] tl.dot per input precision against float64 (notebook 03)."""
+    """One float32 [64, 64] x [64, 64] tl.dot per input precision against float64 (notebook 04)."""
     size = 64
     torch.manual_seed(0)
     a = torch.randn(size, size, device="cuda")

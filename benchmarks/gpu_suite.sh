@@ -5,9 +5,9 @@
 #   bash benchmarks/gpu_suite.sh [tests] [compile] [notebooks] [bench -- <gpu_check.py arguments>]
 #
 # With no step named, runs all four. Logs and results go to $RESULTS (default benchmarks/results).
-# On a 16-core H200 machine with a cold Triton cache (session 2): tests 275 s with
-# TTX_HYPOTHESIS_EXAMPLES=10 (the default here; raise it for a longer run), notebooks over 230 s
-# (notebook 04 times every method on the GPU). "compile" is the CPU-side check of every launch
+# On a 16-core H200 machine with a cold Triton cache the tests take about 5 minutes with
+# TTX_HYPOTHESIS_EXAMPLES=10 (the default here; raise it for a longer run), the notebooks about 4
+# (notebook 05 times every method on the GPU). "compile" is the CPU-side check of every launch
 # for sm_80/sm_90 (585 compiles): it needs no GPU, but checks the GPU machine's Triton version.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -46,12 +46,12 @@ def runs(method, dtype):
 def test_forward_and_backward_are_bit_identical_across_runs(method, dtype):
     (o, state, grads), *others = runs(method, dtype)
     assert torch.isfinite(o).all() and torch.isfinite(state).all(), "the poisoned run left NaN in its outputs"
-    for run, (o_again, state_again, grads_again) in enumerate(others, start=2):
-        assert torch.equal(o, o_again), f"{method} {dtype}: o differs between run 1 and run {run}"
-        assert torch.equal(state, state_again), f"{method} {dtype}: S_T differs between run 1 and run {run}"
+    for call, (o_again, state_again, grads_again) in enumerate(others, start=2):
+        assert torch.equal(o, o_again), f"{method} {dtype}: o differs between call 1 and call {call}"
+        assert torch.equal(state, state_again), f"{method} {dtype}: S_T differs between call 1 and call {call}"
         for name, grad in grads.items():
             assert torch.equal(grad, grads_again[name]), (
-                f"{method} {dtype}: the gradient of {name} differs between run 1 and run {run}")
+                f"{method} {dtype}: the gradient of {name} differs between call 1 and call {call}")
 
 
 #: Atomics a kernel file may use, with the reason their order cannot change a result:

@@ -73,11 +73,9 @@ AUTO = "auto"
 
 #: Below this many (batch, head, 64-column value block) programs per multiprocessor, "chunked"
 #: leaves the GPU idle and "scan" (parallel over segments of the sequence too) wins. Not 1: scan
-#: reads k and v twice and pays for its states, so it needs the idle share to be large. On an
-#: H200 (132 SMs, bf16), 8 programs at (1, 8, 65536, 64): scan 0.21 ms, chunked 0.76; 64 programs
-#: at (2, 16, 16384, 128): chunked 0.275 ms against 0.283 forward (but scan 0.99 against 1.06
-#: with the backward, run 13). Both forward times are linear in the programs' share of the GPU,
-#: which puts the forward's break-even near 50 programs: 0.4 a multiprocessor.
+#: reads k and v twice and pays for its states, so it needs the idle share to be large. The
+#: forward times of both are linear in the programs' share of the GPU; the break-even measured
+#: on an H200 (132 SMs, bf16, see benchmarks/NOTES.md) is near 50 programs: 0.4 a multiprocessor.
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.4
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
