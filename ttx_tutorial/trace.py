@@ -30,6 +30,8 @@ tiny probe kernel checks that the installed interpreter behaves as described, an
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 import linecache
 import sys
@@ -260,12 +262,16 @@ def _interpreted(kernel, edits: _Edits) -> InterpretedFunction:
         return kernel
     if not isinstance(kernel, JITFunction):
         raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    # Triton imports gluon on a launch's first tensor argument, and gluon checks then that
+    # triton.language's functions are JITFunctions: import it before any is swapped.
+    with contextlib.suppress(ImportError):
+        importlib.import_module("triton.experimental.gluon")
     twins = {}
 
-    def twin(jit_fn):
-        if jit_fn not in twins:
-            twins[jit_fn] = InterpretedFunction(jit_fn.fn)
-        return twins[jit_fn]
+    def twin(jit_fn):  # keyed by id: hashing a JITFunction walks its dependencies, swapped or not
+        if id(jit_fn) not in twins:
+            twins[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
+        return twins[id(jit_fn)]
 
     # Module globals are plain dicts; a class's namespace is read-only, so it is set attribute-wise.
     pending = [(kernel.fn.__globals__, None)] + [(vars(obj), obj) for obj in _language_objects()]

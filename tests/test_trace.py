@@ -1,0 +1,219 @@
+"""ttx_tutorial.trace: the loads and stores of each program, recorded from an interpreted launch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+from ttx_tutorial import trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@triton.jit
+def _masked_copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _unmasked_copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+
+
+@triton.jit
+def _tripled(x):
+    return x * 3
+
+
+@triton.jit
+def _tile_kernel(x_ptr, y_ptr, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # A 2-D grid of tiles; calls a @triton.jit helper and tl.zeros (itself a @triton.jit function).
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    offs = offs_r[:, None] * stride_r + offs_c[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    tl.store(y_ptr + offs, acc + _tripled(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+
+@triton.jit
+def _atomic_kernel(x_ptr):
+    tl.atomic_add(x_ptr, 1.0)
+
+
+def _triton_state():
+    """Everything the recorder may touch: triton.language's namespaces and the interpreter's builder."""
+    return ([(obj, dict(names)) for obj, names in trace.snapshot_language()],
+            dict(vars(interpreter.interpreter_builder)))
+
+
+def _assert_same_state(before, after):
+    (language_before, builder_before), (language_after, builder_after) = before, after
+    assert [obj for obj, _ in language_before] == [obj for obj, _ in language_after]
+    for (obj, names_before), (_, names_after) in zip(language_before, language_after):
+        changed = {name for name in names_before.keys() | names_after.keys()
+                   if names_before.get(name) is not names_after.get(name)}
+        assert not changed, f"{obj!r} changed: {sorted(changed)}"
+    assert builder_before.keys() == builder_after.keys()
+    for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw"):
+        assert name not in builder_after, f"interpreter_builder.{name} still wrapped"
+
+
+def test_masked_copy_with_a_tail_records_exact_offsets_per_program():
+    n, block = 10, 4
+    x = torch.randn(n)
+    y = torch.full((n,), float("nan"))
+    recording = trace.record(_masked_copy_kernel, (triton.cdiv(n, block),), x, y, n, BLOCK=block)
+
+    assert torch.equal(y, x)  # the kernel really ran
+    assert recording.grid == (3, 1, 1)
+    assert list(recording.tensors) == ["x_ptr", "y_ptr"]
+    for tensor, kind in (("x_ptr", "load"), ("y_ptr", "store")):
+        assert recording.offsets(tensor, kind, program=0) == (0, 1, 2, 3)
+        assert recording.offsets(tensor, kind, program=1) == (4, 5, 6, 7)
+        assert recording.offsets(tensor, kind, program=2) == (8, 9)  # the tail: lanes 10, 11 masked
+        (tail,) = recording.select(tensor, kind, program=2)
+        assert tail.masked_offsets == (10, 11)
+        assert tail.out_of_bounds == ()
+    assert recording.offsets("x_ptr", "store") == ()
+    assert [a.kind for a in recording.accesses] == ["load", "store"] * 3
+    assert "tl.store(y_ptr + offs" in recording.select("y_ptr")[0].source
+
+
+def test_missing_mask_is_recorded_as_out_of_bounds():
+    # x and y sit at the start of larger buffers, so the overrun reads and writes memory we own.
+    source, target = torch.arange(16.0), torch.full((16,), -1.0)
+    x, y = source[:10], target[:10]
+    recording = trace.record(_unmasked_copy_kernel, (3,), x, y, BLOCK=4)
+
+    assert recording.offsets("x_ptr", "load", program=2) == (8, 9, 10, 11)
+    assert recording.out_of_bounds("x_ptr", "load") == (10, 11)
+    assert recording.out_of_bounds("y_ptr", "store") == (10, 11)
+    assert recording.select("y_ptr", "store", program=2)[0].masked_offsets == ()
+    assert target[10:12].tolist() == [10.0, 11.0]  # the neighbour's elements were overwritten
+    assert "OUT OF BOUNDS 10-11" in recording.summary()
+
+
+def test_two_dimensional_grid_helpers_and_strided_rows():
+    rows, cols, padded = 5, 6, 8  # x: a (5, 6) view of (5, 8) rows, so its row stride is 8
+    x = torch.randn(rows, padded)[:, :cols]
+    y = torch.zeros(rows, padded)[:, :cols]
+    recording = trace.record(_tile_kernel, (2, 2), x, y, rows, cols, padded, BLOCK_R=4, BLOCK_C=4)
+
+    torch.testing.assert_close(y, 3 * x, rtol=0, atol=0)
+    assert recording.grid == (2, 2, 1)
+    expected = [r * padded + c for r in range(4, 5) for c in range(4, 6)]  # program (1, 1): rows 4, cols 4-5
+    assert recording.offsets("y_ptr", "store", program=(1, 1)) == tuple(expected)
+    assert set(recording.offsets("x_ptr", "load")) == {r * padded + c for r in range(rows) for c in range(cols)}
+    assert recording.out_of_bounds() == ()
+
+
+def test_recorder_leaves_triton_as_it_found_it():
+    before = _triton_state()
+    x = torch.randn(6, 6)
+    trace.record(_tile_kernel, (2, 2), x, torch.empty_like(x), 6, 6, 6, BLOCK_R=4, BLOCK_C=4)
+    _assert_same_state(before, _triton_state())
+    with pytest.raises(trace.UnsupportedKernel, match="atomic"):
+        trace.record(_atomic_kernel, (1,), torch.zeros(1))
+    _assert_same_state(before, _triton_state())
+    # And a plain interpreted launch still works afterwards.
+    y = torch.empty(3)
+    _masked_copy_kernel[(1,)](torch.ones(3), y, 3, BLOCK=4)
+    assert y.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_bad_arguments_are_refused_with_their_names():
+    x = torch.zeros(4)
+    with pytest.raises(TypeError, match="@triton.jit"):
+        trace.record(lambda x_ptr: None, (1,), x)
+    with pytest.raises(ValueError, match="max_lanes"):
+        trace.record(_masked_copy_kernel, (1,), x, x, 4, BLOCK=4, max_lanes=0)
+    with pytest.raises(trace.UnsupportedKernel, match="more than"):
+        trace.record(_masked_copy_kernel, (1,), x, x, 4, BLOCK=4, max_lanes=5)
+    with pytest.raises(TypeError, match="do not match"):
+        trace.record(_masked_copy_kernel, (1,), x, BLOCK=4)
+    meta = torch.zeros(4, device="meta")
+    with pytest.raises(ValueError, match="y_ptr is on meta"):
+        trace.record(_masked_copy_kernel, (1,), x, meta, 4, BLOCK=4)
+    recording = trace.record(_masked_copy_kernel, (1,), x, x.clone(), 4, BLOCK=4)
+    with pytest.raises(ValueError, match="tensor must be one of"):
+        recording.offsets("z_ptr")
+    with pytest.raises(ValueError, match="kind must be"):
+        recording.select(kind="read")
+    with pytest.raises(TypeError, match="program must be"):
+        recording.select(program="0")
+
+
+def test_draw_returns_a_figure_with_one_panel_per_tensor_and_kind():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = torch.randn(10)
+    recording = trace.record(_masked_copy_kernel, (3,), x, torch.empty_like(x), 10, BLOCK=4)
+    figure = trace.draw(recording)
+    titles = [ax.get_title(loc="left") for ax in figure.axes]
+    assert titles == ["x_ptr (10), loads", "y_ptr (10), stores"]
+    with pytest.raises(ValueError, match="not tensor arguments"):
+        trace.draw(recording, tensors=["q_ptr"])
+    with pytest.raises(ValueError, match="columns"):
+        trace.draw(recording, columns=0)
+    plt.close("all")
+
+
+_GPU_MODE_SCRIPT = """
+import torch, triton, triton.language as tl
+import ttx_tutorial
+from triton.runtime.jit import JITFunction
+from ttx_tutorial import trace
+assert not ttx_tutorial.INTERPRETED and isinstance(tl.zeros, JITFunction)
+
+@triton.jit
+def helper(x):
+    return x + 1
+
+@triton.jit
+def kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    tl.store(y_ptr + offs, acc + helper(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+language = [(obj, dict(names)) for obj, names in trace.snapshot_language()]
+x = torch.arange(6.0)
+y = torch.empty(6)
+recording = trace.record(kernel, (2,), x, y, 6, BLOCK=4)
+assert torch.equal(y, x + 1), y
+assert recording.offsets("y_ptr", "store", program=1) == (4, 5)
+assert recording.select("y_ptr", program=1)[0].masked_offsets == (6, 7)
+assert isinstance(tl.zeros, JITFunction) and isinstance(helper, JITFunction)
+for obj, names in language:
+    assert all(vars(obj).get(name) is value for name, value in names.items()), obj
+print("recorded in GPU mode")
+"""
+
+
+def test_records_jit_functions_as_in_gpu_mode():
+    # TTX_TUTORIAL_DEVICE=cuda makes @triton.jit build JITFunctions, as on a GPU machine; nothing
+    # here touches a GPU, so this runs anywhere. @triton.jit needs its source in a file.
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"ttx_trace_gpu_mode_{os.getpid()}.py"
+    script.write_text(_GPU_MODE_SCRIPT)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TTX_TUTORIAL_DEVICE="cuda", PYTHONPATH=str(ROOT))
+    try:
+        result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                                timeout=120)
+    finally:
+        pass
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recorded in GPU mode" in result.stdout
