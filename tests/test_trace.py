@@ -217,3 +217,21 @@ def test_records_jit_functions_as_in_gpu_mode():
         pass
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recorded in GPU mode" in result.stdout
+
+
+def test_padding_between_the_rows_of_a_view_is_out_of_bounds():
+    # A (3, 4) view of (3, 6) rows; an unmasked 8-wide block per row reads the padding and beyond.
+    x = torch.arange(18.0).reshape(3, 6)[:, :4]
+    recording = trace.record(_unmasked_copy_kernel, (1,), x, torch.zeros(8), BLOCK=8)
+    assert recording.offsets("x_ptr", "load") == tuple(range(8))
+    assert recording.out_of_bounds("x_ptr", "load") == (4, 5)  # row 0's padding; 6, 7 are row 1
+    assert recording.tensors["x_ptr"].row_length == 6
+
+
+def test_run_interpreted_leaves_triton_as_it_found_it():
+    before = _triton_state()
+    x = torch.randn(5, 5)
+    y = torch.empty_like(x)
+    trace.run_interpreted(_tile_kernel, (2, 2), x, y, 5, 5, 5, BLOCK_R=4, BLOCK_C=4)
+    torch.testing.assert_close(y, 3 * x, rtol=0, atol=0)
+    _assert_same_state(before, _triton_state())

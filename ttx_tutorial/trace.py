@@ -31,6 +31,7 @@ tiny probe kernel checks that the installed interpreter behaves as described, an
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import linecache
@@ -48,7 +49,7 @@ from triton.runtime.jit import JITFunction
 
 from . import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
 
-__all__ = ["Access", "Recording", "TensorInfo", "draw", "record"]
+__all__ = ["Access", "Recording", "TensorInfo", "UnsupportedKernel", "draw", "record", "run_interpreted"]
 
 #: Largest number of lanes one recording keeps; the recorder is for small teaching launches.
 MAX_LANES = 1_000_000
@@ -72,12 +73,35 @@ class TensorInfo:
     numel: int
     element_size: int
     data_ptr: int
-    #: memory the tensor spans, in elements from its first one: its offsets are 0 .. span - 1
+    #: memory the tensor spans, in elements from its first one: offsets 0 .. span - 1. In a view
+    #: with padded rows not every offset of the span is an element (see :meth:`is_element`).
     span: int
 
     def holds(self, addresses: np.ndarray) -> np.ndarray:
+        """Which byte addresses fall within the tensor's span."""
         start = self.data_ptr
         return (addresses >= start) & (addresses < start + self.span * self.element_size)
+
+    @functools.cached_property
+    def _element_offsets(self) -> np.ndarray:
+        offsets = np.zeros(1, dtype=np.int64)
+        for size, stride in zip(self.shape, self.stride):
+            offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).ravel()
+        return np.unique(offsets)
+
+    def is_element(self, offsets) -> np.ndarray:
+        """Which offsets address an element of the tensor (not padding, not past either end)."""
+        return np.isin(np.asarray(offsets, dtype=np.int64), self._element_offsets)
+
+    @property
+    def row_length(self) -> int | None:
+        """Elements per drawn row: the row stride of a row-major tensor of two or more dimensions
+        (padding included), else None (drawn as one row of memory)."""
+        if len(self.shape) < 2 or self.stride[-1] != 1:
+            return None
+        if any(inner * size > outer for inner, size, outer in zip(self.stride[1:], self.shape[1:], self.stride[:-1])):
+            return None
+        return self.stride[-2]
 
 
 @dataclass(frozen=True)
@@ -92,7 +116,8 @@ class Access:
     offsets: tuple[int, ...]
     #: offsets of the lanes the mask switched off: computed by the kernel, never touched
     masked_offsets: tuple[int, ...]
-    #: the active offsets that lie outside the tensor: reads of garbage, writes over a neighbour
+    #: the active offsets that are no element of the tensor: past either end, or padding
+    #: between rows of a view; reads of garbage, writes over a neighbour
     out_of_bounds: tuple[int, ...]
     #: the kernel's line number in its file, and that line's text
     line: int | None
@@ -353,7 +378,7 @@ class _Recorder:
             raise UnsupportedKernel(f"line {line}: an access to {info.name} is not aligned to its "
                                     f"{info.element_size}-byte elements")
         offsets = delta // info.element_size
-        outside = (offsets < 0) | (offsets >= info.span)
+        outside = ~info.is_element(offsets)
         self.recording.accesses.append(Access(
             program, kind, info.name, tuple(offsets[active].tolist()), tuple(offsets[~active].tolist()),
             tuple(offsets[active & outside].tolist()), line, source))
@@ -388,6 +413,19 @@ def _check_interface():
             f"triton {triton.__version__}'s interpreter has no module-level interpreter_builder with "
             f"{', '.join(_BUILDER_METHODS)} and a grid: ttx_tutorial.trace was written for the "
             f"interpreters of Triton 3.6 to 3.9 and cannot record with this one")
+
+
+def run_interpreted(kernel, grid, *args, **kwargs):
+    """Run ``kernel[grid](*args, **kwargs)`` in Triton's interpreter, in CPU mode and GPU mode
+    alike, and leave ``triton.language`` as it was: for ``print`` and ``breakpoint()`` inside a
+    kernel, which only the interpreter runs. Tensors on a GPU are copied to the host and back."""
+    edits = _Edits()
+    language = snapshot_language()
+    try:
+        _interpreted(kernel, edits)[grid](*args, **kwargs)
+    finally:
+        edits.undo()
+        _restore_language(language)
 
 
 def _run(kernel, grid, args, kwargs, max_lanes) -> Recording:
@@ -464,14 +502,6 @@ def record(kernel, grid, *args, max_lanes: int = MAX_LANES, **kwargs) -> Recordi
 # --------------------------------------------------------------------------- drawing
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     """One panel per tensor and kind (loads, stores), each element coloured by the program that
     touched it and numbered with that program's place in launch order. Hatched cells were
@@ -481,8 +511,9 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     Args:
         recording: from :func:`record`.
         tensors: argument names to draw, in order (default: every tensor that was touched).
-        columns: elements per row. Default: the last dimension of a contiguous tensor of two or
-            more dimensions (a matrix is drawn as a matrix), else one row of memory offsets.
+        columns: elements per row. Default: the row stride of a row-major tensor of two or more
+            dimensions (a matrix is drawn as a matrix, with the padding of a view's rows
+            blank), else one row of memory offsets. Cells are memory offsets either way.
         title: the figure's title (default: the kernel's name and grid).
 
     Returns the matplotlib Figure.
@@ -517,8 +548,8 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
                 masked.setdefault(offset, set()).add(access.program)
         low = min([0, *owners, *masked])
         high = max([info.span - 1, *owners, *masked])
-        as_matrix = len(info.shape) >= 2 and info.stride == _contiguous_strides(info.shape)
-        width = columns or (info.shape[-1] if as_matrix else high - low + 1)
+        as_matrix = info.row_length is not None
+        width = columns or (info.row_length if as_matrix else high - low + 1)
         first_row = low // width if (columns or as_matrix) else 0
         shift = 0 if (columns or as_matrix) else -low  # a single row starts at the lowest offset
         rows = (high + shift) // width - first_row + 1
@@ -531,10 +562,10 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
                                 figsize=(min(14.0, 2.5 + 0.42 * widest), 0.8 + sum(0.42 * h + 0.45 for h in heights)))
     shared = False
     for ax, (name, kind, info, owners, masked, low, high, width, first_row, shift, rows) in zip(axes[:, 0], layouts):
-        for offset in range(low, high + 1):
+        every_offset = np.arange(low, high + 1)
+        for offset, inside in zip(every_offset.tolist(), info.is_element(every_offset).tolist()):
             row, x = divmod(offset + shift, width)
             y = row - first_row
-            inside = 0 <= offset < info.span
             if offset in owners:
                 who = owners[offset]
                 shared |= len(who) > 1
