@@ -10,8 +10,8 @@ imported by ``import ttx_tutorial``.
 
 How it works. The interpreter executes every ``tl.load``/``tl.store`` through two methods of
 its builder, ``create_masked_load(ptrs, mask, ...)`` and ``create_masked_store(ptrs, value,
-mask, ...)``, with the lanes' byte addresses and the mask as NumPy arrays; plain loads, block
-pointers and tensor descriptors are lowered to them. For the length of one launch the recorder
+mask, ...)``, with the lanes' byte addresses and the mask as NumPy arrays; unmasked loads and
+stores and Triton 3.9's tensor descriptors go through them too. For the length of one launch the recorder
 wraps those two methods, and turns each address back into an offset in the tensor argument
 that holds it. Atomics take another path, so a kernel that uses them is refused rather than
 half recorded. Afterwards the interpreter's builder and ``triton.language`` are put back
@@ -23,9 +23,10 @@ function in an ``InterpretedFunction`` instead, and for the launch swaps every `
 the kernel can reach (its helpers, ``tl.zeros``, ``tl.sum``, ...) for an interpreted twin.
 
 Tensors must be on the CPU: the interpreter runs on the host, and the recorder maps addresses
-to the tensors it was given. Written against Triton 3.9 (tested) and 3.6; a first launch of a
-tiny probe kernel checks that the installed interpreter behaves as described, and a clear
-``RuntimeError`` says so if it does not.
+to the tensors it was given. Tested with Triton 3.9, in CPU mode and in GPU mode (forced with
+``TTX_TUTORIAL_DEVICE=cuda``, no GPU needed); written for Triton 3.6 too, using only what both
+interpreters have. A first launch of a tiny probe kernel checks that the installed interpreter
+reports loads and stores as described, and raises a clear ``RuntimeError`` if it does not.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import importlib
 import inspect
 import linecache
 import sys
-import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +60,8 @@ _UNRECORDED_METHODS = ("create_atomic_rmw", "create_atomic_cas")
 
 
 class UnsupportedKernel(ValueError):
-    """The kernel does something the recorder cannot follow exactly (atomics, too many lanes)."""
+    """The kernel does what the recorder cannot follow exactly: atomics, accesses not aligned to
+    their elements, more lanes than ``max_lanes``."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Access:
-    """One ``tl.load`` or ``tl.store`` by one program, restricted to one tensor argument."""
+    """One ``tl.load`` or ``tl.store`` by one program, charged to one tensor argument."""
 
     program: tuple[int, int, int]
     kind: str  # "load" or "store"
@@ -331,7 +332,7 @@ def _tensor_arguments(kernel_fn, args, kwargs) -> dict[str, TensorInfo]:
         if value.device.type != "cpu":
             raise ValueError(f"{name} is on {value.device}: record runs the kernel in Triton's interpreter "
                              f"on the host, so pass CPU tensors (e.g. {name}.cpu())")
-        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(value.shape, value.stride()))
+        span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
         tensors[name] = TensorInfo(name, tuple(value.shape), tuple(value.stride()), value.numel(),
                                    value.element_size(), value.data_ptr(), span if value.numel() else 0)
     return tensors
