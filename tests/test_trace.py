@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
+import ttx_tutorial
 from ttx_tutorial import trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,9 +126,9 @@ def test_recorder_leaves_triton_as_it_found_it():
     with pytest.raises(trace.UnsupportedKernel, match="atomic"):
         trace.record(_atomic_kernel, (1,), torch.zeros(1))
     _assert_same_state(before, _triton_state())
-    # And a plain interpreted launch still works afterwards.
-    y = torch.empty(3)
-    _masked_copy_kernel[(1,)](torch.ones(3), y, 3, BLOCK=4)
+    # And an ordinary launch still works afterwards: interpreted in CPU mode, compiled on a GPU.
+    y = torch.empty(3, device=ttx_tutorial.DEVICE)
+    _masked_copy_kernel[(1,)](torch.ones(3, device=ttx_tutorial.DEVICE), y, 3, BLOCK=4)
     assert y.tolist() == [1.0, 1.0, 1.0]
 
 
