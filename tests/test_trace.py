@@ -236,3 +236,10 @@ def test_run_interpreted_leaves_triton_as_it_found_it():
     trace.run_interpreted(_tile_kernel, (2, 2), x, y, 5, 5, 5, BLOCK_R=4, BLOCK_C=4)
     torch.testing.assert_close(y, 3 * x, rtol=0, atol=0)
     _assert_same_state(before, _triton_state())
+
+
+def test_draw_refuses_pictures_too_large_to_read():
+    x = torch.zeros(30_000)
+    recording = trace.record(_masked_copy_kernel, (1,), x, x.clone(), 30_000, BLOCK=16)
+    with pytest.raises(ValueError, match="cells to draw"):
+        trace.draw(recording)

@@ -53,6 +53,8 @@ __all__ = ["Access", "Recording", "TensorInfo", "UnsupportedKernel", "draw", "re
 
 #: Largest number of lanes one recording keeps; the recorder is for small teaching launches.
 MAX_LANES = 1_000_000
+#: Largest number of element cells one picture draws (each is a matplotlib patch).
+MAX_DRAWN_CELLS = 20_000
 
 _BUILDER_METHODS = ("create_masked_load", "create_masked_store")
 #: Builder methods that touch memory without going through the two above.
@@ -342,6 +344,7 @@ class _Recorder:
     def __init__(self, recording: Recording, code, max_lanes: int):
         self.recording = recording
         self.code = code  # the interpreted kernel's code object, to find the calling line
+        self.max_lanes = max_lanes
         self.lanes_left = max_lanes
         self.builder = _interpreter_module.interpreter_builder
 
@@ -358,7 +361,7 @@ class _Recorder:
         active = np.ravel(np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)))
         self.lanes_left -= addresses.size
         if self.lanes_left < 0:
-            raise UnsupportedKernel(f"the launch touches more than {MAX_LANES:,} lanes; record is for "
+            raise UnsupportedKernel(f"the launch touches more than max_lanes={self.max_lanes:,} lanes; record is for "
                                     f"small launches: shrink the grid or the blocks")
         program = tuple(int(i) for i in self.builder.grid_idx)
         line, source = self._line()
@@ -533,6 +536,12 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     panels = [(name, kind) for name in names for kind in ("load", "store") if recording.select(name, kind)]
     if not panels:
         raise ValueError("nothing to draw: the launch touched none of these tensors")
+
+    cells = sum(max([recording.tensors[name].span - 1, *recording.offsets(name, kind)]) + 1
+                for name, kind in panels)  # at least: each panel runs from offset 0 to its highest
+    if cells > MAX_DRAWN_CELLS:
+        raise ValueError(f"{cells:,} cells to draw, more than {MAX_DRAWN_CELLS:,}: record a smaller launch "
+                         f"or pass fewer tensors")
 
     programs = recording.programs()
     palette = plt.get_cmap("tab10" if len(programs) <= 10 else "tab20").colors
