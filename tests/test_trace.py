@@ -155,8 +155,7 @@ def test_bad_arguments_are_refused_with_their_names():
 
 
 def test_draw_returns_a_figure_with_one_panel_per_tensor_and_kind():
-    import matplotlib
-
+    matplotlib = pytest.importorskip("matplotlib")  # the notebooks extra; pip install -e .[test] lacks it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -239,6 +238,7 @@ def test_run_interpreted_leaves_triton_as_it_found_it():
 
 
 def test_draw_refuses_pictures_too_large_to_read():
+    pytest.importorskip("matplotlib")
     x = torch.zeros(30_000)
     recording = trace.record(_masked_copy_kernel, (1,), x, x.clone(), 30_000, BLOCK=16)
     with pytest.raises(ValueError, match="cells to draw"):
