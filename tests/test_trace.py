@@ -186,14 +186,15 @@ def helper(x):
 def kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    tl.store(y_ptr + offs, acc + helper(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32) + tl.sum(x, axis=0)  # tl.sum: a JITFunction too
+    tl.store(y_ptr + offs, acc + helper(x), mask=mask)
 
 language = [(obj, dict(names)) for obj, names in trace.snapshot_language()]
 x = torch.arange(6.0)
 y = torch.empty(6)
 recording = trace.record(kernel, (2,), x, y, 6, BLOCK=4)
-assert torch.equal(y, x + 1), y
+assert y.tolist() == [7.0, 8.0, 9.0, 10.0, 14.0, 15.0], y  # x + 1 + the sum of its block
 assert recording.offsets("y_ptr", "store", program=1) == (4, 5)
 assert recording.select("y_ptr", program=1)[0].masked_offsets == (6, 7)
 assert isinstance(tl.zeros, JITFunction) and isinstance(helper, JITFunction)
