@@ -440,15 +440,17 @@ def _run(kernel, grid, args, kwargs, max_lanes) -> Recording:
         interpreted = _interpreted(kernel, edits)
         tensors = _tensor_arguments(interpreted.fn, args, kwargs)
         recording = Recording(interpreted.__name__, (0, 0, 0), tensors)
-        recorder = _Recorder(recording, interpreted.rewrite().__code__, max_lanes)
+        # Triton 3.9's interpreter runs a rewritten copy of the kernel (its loops made runnable);
+        # the line of an access is found by looking for the code object that actually runs.
+        running = interpreted.rewrite() if hasattr(interpreted, "rewrite") else interpreted.fn
+        recorder = _Recorder(recording, running.__code__, max_lanes)
         for name, wrapper in recorder.wrappers().items():
             edits.set_attr(recorder.builder, name, wrapper)
         try:
             interpreted[grid](*args, **kwargs)
-        except _interpreter_module.InterpreterError as error:
-            cause = error.__cause__
-            if isinstance(cause, UnsupportedKernel):
-                raise UnsupportedKernel(str(cause)) from None
+        except Exception as error:  # the interpreter wraps what the kernel raised in its own error
+            if isinstance(error.__cause__, UnsupportedKernel):
+                raise UnsupportedKernel(str(error.__cause__)) from None
             raise
         recording.grid = tuple(int(g) for g in recorder.builder.grid_dim)
         return recording
