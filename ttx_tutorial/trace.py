@@ -440,7 +440,7 @@ def _run(kernel, grid, args, kwargs, max_lanes) -> Recording:
         interpreted = _interpreted(kernel, edits)
         tensors = _tensor_arguments(interpreted.fn, args, kwargs)
         recording = Recording(interpreted.__name__, (0, 0, 0), tensors)
-        # Triton 3.9's interpreter runs a rewritten copy of the kernel (its loops made runnable);
+        # The interpreter runs a rewritten copy of the kernel (assignments and comparisons wrapped);
         # the line of an access is found by looking for the code object that actually runs.
         running = interpreted.rewrite() if hasattr(interpreted, "rewrite") else interpreted.fn
         recorder = _Recorder(recording, running.__code__, max_lanes)
