@@ -119,9 +119,16 @@ def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=Fal
 
     Returns:
         o of shape (B, H, T, E) in the dtype of the inputs, or ``(o, S_T)`` with ``return_state``.
+
+    Views with a negative bit (``x.conj().imag``) are materialised before a kernel reads them.
+    The Triton methods are differentiable once: a gradient of their gradient (``create_graph=True``)
+    raises an error rather than silently missing the second-order term. Under Triton's CPU
+    interpreter, calls from several threads take turns, one kernel launch at a time.
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False, got {return_state!r}")
     if method == AUTO:
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
