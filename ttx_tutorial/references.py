@@ -10,6 +10,15 @@ Shapes: q, k: (B, H, T, D); v: (B, H, T, E); initial state and final state: (B, 
 Each reference returns ``(o, S_T)``. They accumulate in float32 (float64 for float64
 inputs) and return ``o`` in the input dtype and the state in float32 (float64 for
 float64 inputs). They are differentiable through ordinary torch autograd.
+
+Non-finite values. ``loop`` and ``cumsum`` add token j's term only to the states S_t, t >= j,
+so an inf or NaN in q, k or v at token j never reaches an earlier output, nor (with no gradient
+flowing into the outputs from j on) the gradients of earlier k and v. ``quadratic`` masks its
+scores by selection, which keeps a non-finite k_j out of earlier outputs; but its products
+(scores @ V forward, the score gradient @ K backward) multiply the masked zeros by every row,
+and 0 * inf is NaN: a non-finite v_j reaches the outputs, and a non-finite k_j the q-gradients,
+of earlier tokens. In every form, a non-finite q_j poisons the k and v gradients of earlier
+tokens even when o_j gets no gradient (0 * inf again), as in any autograd of q_j k_s^T.
 """
 
 from __future__ import annotations
@@ -65,7 +74,10 @@ def quadratic(q, k, v, initial_state=None):
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     T = q.shape[2]
     scores = qa @ ka.transpose(-1, -2)                                   # (B, H, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # M[t, j] = j <= t
-    o = (scores * causal) @ va + qa @ state0
+    hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # j > t: not yet seen
+    # Selected, not multiplied by a 0/1 mask: 0 * inf is NaN, and a non-finite k_j would reach
+    # the outputs of tokens before j. (A non-finite v_j still does, through the product's 0 * inf:
+    # see "Non-finite values" in the module docstring.)
+    o = scores.masked_fill(hidden, 0.0) @ va + qa @ state0
     final = state0 + ka.transpose(-1, -2) @ va
     return o.to(q.dtype), final
