@@ -17,7 +17,9 @@ class Method:
     """One implementation: where it lives and what it accepts."""
 
     name: str
-    target: str  # "module:function"; imported on first use so kernels compile lazily
+    # "module:function", imported on first use so kernels compile lazily. For the Triton methods,
+    # the kernel file's entry point for inputs this module has checked (it would check them again).
+    target: str
     is_triton: bool
     summary: str
 
@@ -54,11 +56,11 @@ _METHOD_LIST = (
            "PyTorch: every state S_t materialised by torch.cumsum, O(T*D*E) memory"),
     Method("quadratic", "ttx_tutorial.references:quadratic", False,
            "PyTorch: the masked form ((Q K^T) * M) V, O(T^2)"),
-    Method("recurrent", "ttx_tutorial.kernels.recurrent:recurrent_causal_product", True,
+    Method("recurrent", "ttx_tutorial.kernels.recurrent:_run_validated", True,
            "Triton: one program per (batch, head, value block) walks T with its state in registers"),
-    Method("chunked", "ttx_tutorial.kernels.chunked:chunked_causal_product", True,
+    Method("chunked", "ttx_tutorial.kernels.chunked:_run_validated", True,
            "Triton: chunks of C tokens on tensor-core tiles, the state carried from chunk to chunk"),
-    Method("scan", "ttx_tutorial.kernels.scan:scan_causal_product", True,
+    Method("scan", "ttx_tutorial.kernels.scan:_run_validated", True,
            "Triton: per-segment states combined by a parallel prefix sum, then every segment at once"),
 )
 

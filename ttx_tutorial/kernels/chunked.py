@@ -670,6 +670,12 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     config; the fused backward takes its CHUNK (``fused_backward_config``).
     """
     check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``chunked_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)

@@ -670,6 +670,12 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule."""
     check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``recurrent_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)

@@ -936,6 +936,12 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``;
     ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``scan_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
