@@ -28,6 +28,7 @@ from test_reliability import CROSSINGS
 from ttx_tutorial import references, testing
 
 METHODS = (*ttx_tutorial.METHODS, "auto")
+FEW_ELEMENTS = 64
 LAYOUTS = ("contiguous", "tokens_outer", "every_other_column", "batch_broadcast", "negative_bit")
 
 
@@ -122,7 +123,13 @@ def compare(name, out, ref, dtype, *, may_cross):
         assert not spread.any(), f"{name}: not finite at {spread.nonzero()[:5].tolist()}, the reference is"
     both = finite_out & finite_ref
     err = testing.relative_error(out[both], ref[both])
-    assert err <= testing.TOLERANCES[dtype], f"{name}: relative error {err:.2e} on finite positions"
+    tolerance = testing.TOLERANCES[dtype]
+    if dtype != torch.float32 and both.sum() < FEW_ELEMENTS:
+        # The norm of a few elements does not average their roundings: one output can carry two
+        # roundings to 16 bits (the state before its product, then o), truncated by the
+        # interpreter, up to 2 * 2**-7 = 1.6e-2.
+        tolerance *= 2
+    assert err <= tolerance, f"{name}: relative error {err:.2e} on finite positions"
 
 
 @SETTINGS

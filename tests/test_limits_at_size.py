@@ -128,9 +128,9 @@ def test_a_batch_of_more_than_2_31_elements(method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_a_head_just_over_the_limit_is_refused_with_the_documented_error(method):
-    T, D = 2**25 + 1, 64  # the last element sits at offset 2**31 + 63
+    T, D = 2**25 + 1, 64  # its last element sits at offset 2**31 + 63
     q = torch.empty(1, 1, T, D, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match=r"32-bit offsets.*2147483711 elements per head.*2147483648"):
+    with pytest.raises(ValueError, match=r"32-bit offsets.*2147483712 elements per head.*2147483648"):
         ttx_tutorial.causal_product(q, q, q, method)
 
 
