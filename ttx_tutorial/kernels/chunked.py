@@ -41,6 +41,10 @@ Precision: every product accumulates in float32.
 
 Checked on Triton 3.9's CPU interpreter, and by compiling every launch for sm_80 and sm_90 with
 Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
+  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
+    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
+    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
+    q-gradients, of its own chunk. Zero a padded batch's padding first;
   - per-(batch, head) offsets are int32: one head's slice of a tensor must span fewer than
     2**31 elements;
   - a config that needs more shared memory than the GPU has fails at launch (out of resources);

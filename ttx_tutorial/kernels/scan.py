@@ -74,6 +74,10 @@ did before pass 2 joined it), and in pass 2's tail for some tiles. Fragile:
   - the interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 bit patterns
     in tl.dot; under it (INTERPRETED) the kernels round by hand and widen dot operands to
     float32, so that the CPU computes what the GPU does;
+  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
+    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
+    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
+    q-gradients, of its own chunk. Zero a padded batch's padding first;
   - offsets inside one (batch, head, segment) are int32; a configuration needing more shared
     memory than the GPU has fails at launch with an out-of-resources error.
 """
