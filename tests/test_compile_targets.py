@@ -204,7 +204,9 @@ COVERAGE_SHAPES = [(1, 1, 1), (1, 1, 100), (2, 3, 777), (4, 16, 5000)]  # (B, H,
 def wrapper_calls(module, method):
     """(description, thunk) for forward and backward over dtypes, head dims, shapes and the
     module's tuning candidates; each thunk runs the wrapper once with gradients."""
-    function = getattr(module, f"{method}_causal_product")
+    # The entry for checked inputs: the public function's checks would refuse these CPU tensors
+    # while the recorder has the interpreter switched off (tensors must then be on the GPU).
+    function = module._run_validated
     calls = []
 
     def call(B, H, T, D, E, dtype, config=None, with_state=True):

@@ -14,6 +14,15 @@ def _dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def _check_dense(name, x):
+    """Sparse, nested and other non-strided tensors have no (B, H, T, D) strides to walk."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; pad it first")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        "convert it with .to_dense()")
+
+
 def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expected_device,
                  index_limit=None):
     """Validate q, k, v and the initial state for one method.
@@ -26,6 +35,7 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense(name, x)
         if x.dim() != 4:
             shape_hint = "(B, H, T, E)" if name == "v" else "(B, H, T, D)"
             raise ValueError(f"{name} must have 4 dimensions {shape_hint}, got shape {tuple(x.shape)}")
@@ -54,8 +64,11 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
         where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
         raise ValueError(
             f"method {method!r} runs on {where} in this session, so q, k, v must be on "
-            f"{expected_device!r}; they are on {q.device}. Move them with .to(ttx_tutorial.DEVICE)"
+            f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})"
         )
+    if q.device.type == "meta":
+        raise ValueError(f"q, k and v are on the meta device, which holds no values: method {method!r} "
+                         "needs tensors with data")
     D, E = q.shape[-1], v.shape[-1]
     if D < 1 or E < 1:
         raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
@@ -78,6 +91,7 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        _check_dense("initial_state", initial_state)
         expected = (*q.shape[:2], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(

@@ -17,7 +17,9 @@ class Method:
     """One implementation: where it lives and what it accepts."""
 
     name: str
-    target: str  # "module:function"; imported on first use so kernels compile lazily
+    # "module:function", imported on first use so kernels compile lazily. For the Triton methods,
+    # the kernel file's entry point for inputs this module has checked (it would check them again).
+    target: str
     is_triton: bool
     summary: str
 
@@ -54,11 +56,11 @@ _METHOD_LIST = (
            "PyTorch: every state S_t materialised by torch.cumsum, O(T*D*E) memory"),
     Method("quadratic", "ttx_tutorial.references:quadratic", False,
            "PyTorch: the masked form ((Q K^T) * M) V, O(T^2)"),
-    Method("recurrent", "ttx_tutorial.kernels.recurrent:recurrent_causal_product", True,
+    Method("recurrent", "ttx_tutorial.kernels.recurrent:_run_validated", True,
            "Triton: one program per (batch, head, value block) walks T with its state in registers"),
-    Method("chunked", "ttx_tutorial.kernels.chunked:chunked_causal_product", True,
+    Method("chunked", "ttx_tutorial.kernels.chunked:_run_validated", True,
            "Triton: chunks of C tokens on tensor-core tiles, the state carried from chunk to chunk"),
-    Method("scan", "ttx_tutorial.kernels.scan:scan_causal_product", True,
+    Method("scan", "ttx_tutorial.kernels.scan:_run_validated", True,
            "Triton: per-segment states combined by a parallel prefix sum, then every segment at once"),
 )
 
@@ -119,9 +121,16 @@ def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=Fal
 
     Returns:
         o of shape (B, H, T, E) in the dtype of the inputs, or ``(o, S_T)`` with ``return_state``.
+
+    Views with a negative bit (``x.conj().imag``) are materialised before a kernel reads them.
+    The Triton methods are differentiable once: a gradient of their gradient (``create_graph=True``)
+    raises an error rather than silently missing the second-order term. Under Triton's CPU
+    interpreter, calls from several threads take turns, one kernel launch at a time.
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False, got {return_state!r}")
     if method == AUTO:
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,

@@ -41,6 +41,12 @@ Precision: every product accumulates in float32.
 
 Checked on Triton 3.9's CPU interpreter, and by compiling every launch for sm_80 and sm_90 with
 Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
+  - causality holds for non-finite values too (a padded batch's garbage never reaches earlier
+    tokens): the masks select (``tl.where``) rather than multiply, and since a masked product
+    still multiplies its zeros by every row of its right operand (0 * inf is NaN), that
+    operand's non-finite entries enter the product as 0 and the rows that do see one are set
+    to NaN after it (``first_unseen`` in the kernels). A non-finite input therefore makes
+    the outputs it reaches NaN, where float64 arithmetic may give +-inf;
   - per-(batch, head) offsets are int32: one head's slice of a tensor must span fewer than
     2**31 elements;
   - a config that needs more shared memory than the GPU has fails at launch (out of resources);
@@ -52,7 +58,9 @@ Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
     where GPUs round to nearest, so bfloat16 errors on the CPU are about twice a GPU's.
 """
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -121,6 +129,8 @@ def _chunked_kernel(
     # compiled kernel then serves the forward and backward passes (on a GPU, Triton still
     # specialises the value 1 into a constant).
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
+    # Position of each row in the walk's direction: row i sees row j exactly when walk_pos[j] <= walk_pos[i].
+    walk_pos = tl.where(reverse != 0, CHUNK - 1 - offs_c, offs_c)
 
     num_chunks = (T + CHUNK - 1) // CHUNK
     for i in range(num_chunks):
@@ -147,8 +157,13 @@ def _chunked_kernel(
         b_scores = tl.where(visible, b_scores, 0.0)
         b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), b_state.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
-        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE), acc=b_o,
-                     input_precision=FLOAT32_PRECISION)
+        # The masked scores are 0 where a token is unseen, but 0 * inf is NaN: v's non-finite entries
+        # enter this product as 0, and every output that sees one is set to NaN after it.
+        finite_v = tl.abs(b_v.to(tl.float32)) < float("inf")
+        first_unseen = tl.min(tl.where(finite_v, CHUNK, walk_pos[:, None]), axis=0)  # [E]: first non-finite row
+        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_v, b_v, 0.0).to(MIXED_DOT_DTYPE),
+                     acc=b_o, input_precision=FLOAT32_PRECISION)
+        b_o = tl.where(walk_pos[:, None] >= first_unseen[None, :], float("nan"), b_o)
         b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
@@ -244,8 +259,13 @@ def _chunked_backward_kernel(
             b_scores = tl.where(lower, b_scores, 0.0)
             b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), b_p.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)                             # [C, D]
-            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_k.to(MIXED_DOT_DTYPE), acc=b_dq,
+            # As in the forward kernel: k's non-finite entries enter as 0, the rows that see one become NaN.
+            finite_k = tl.abs(b_k.to(tl.float32)) < float("inf")
+            first_unseen_k = tl.min(tl.where(finite_k, CHUNK, offs_c[:, None]), axis=0)       # [D]
+            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                          tl.where(finite_k, b_k, 0.0).to(MIXED_DOT_DTYPE), acc=b_dq,
                           input_precision=FLOAT32_PRECISION)
+            b_dq = tl.where(offs_c[:, None] >= first_unseen_k[None, :], float("nan"), b_dq)
             b_p = tl.dot(b_vt, b_k, acc=b_p, input_precision=FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      b_dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
@@ -257,6 +277,7 @@ def _chunked_backward_kernel(
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
+    reverse_pos = CHUNK - 1 - offs_c  # walking backwards, row s sees row t when reverse_pos[t] <= reverse_pos[s]
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < T
@@ -279,11 +300,18 @@ def _chunked_backward_kernel(
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = b_r.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
-        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE), acc=b_dv,
-                      input_precision=FLOAT32_PRECISION)
+        # Non-finite entries of the right operands (dO here, q for dK) as in the dQ walk.
+        finite_do = tl.abs(b_do.to(tl.float32)) < float("inf")
+        first_unseen_do = tl.min(tl.where(finite_do, CHUNK, reverse_pos[:, None]), axis=0)   # [E]
+        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_do, b_do, 0.0).to(MIXED_DOT_DTYPE),
+                      acc=b_dv, input_precision=FLOAT32_PRECISION)
+        b_dv = tl.where(reverse_pos[:, None] >= first_unseen_do[None, :], float("nan"), b_dv)
         b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
-        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE), acc=b_dk,
-                      input_precision=FLOAT32_PRECISION)
+        finite_q = tl.abs(b_q.to(tl.float32)) < float("inf")
+        first_unseen_q = tl.min(tl.where(finite_q, CHUNK, reverse_pos[:, None]), axis=0)     # [D]
+        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_q, b_q, 0.0).to(MIXED_DOT_DTYPE),
+                      acc=b_dk, input_precision=FLOAT32_PRECISION)
+        b_dk = tl.where(reverse_pos[:, None] >= first_unseen_q[None, :], float("nan"), b_dk)
         b_r = tl.dot(tl.trans(b_q), b_do, acc=b_r, input_precision=FLOAT32_PRECISION)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
@@ -300,6 +328,26 @@ def _chunked_backward_kernel(
 HOPPER_SHARED_MEMORY = 232448
 
 _CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
+
+
+def check_config(config):
+    """A TypeError or ValueError naming the key and its limit for a config the kernels cannot run:
+    BLOCK_E and CHUNK powers of two of at least 16 (``tl.dot``'s smallest tile on a GPU),
+    num_warps a power of two up to 32, num_stages at least 1."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
+    unknown = set(config) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+    for key, value in config.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"config {key} must be an int, got {value!r}")
+        if key in ("BLOCK_E", "CHUNK") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"config {key} must be a power of two >= 16, got {value}")
+        if key == "num_warps" and not (1 <= value <= 32 and value & (value - 1) == 0):
+            raise ValueError(f"config num_warps must be a power of two from 1 to 32, got {value}")
+        if key == "num_stages" and value < 1:
+            raise ValueError(f"config num_stages must be at least 1, got {value}")
 
 #: Configurations for a benchmark to sweep through ``config`` on bfloat16 inputs with
 #: D = E in {64, 128}. All fit an H100/H200's shared memory; compiled for sm_90 by Triton 3.6,
@@ -397,10 +445,7 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     multiprocessors, shared_memory = _device_limits(q.device)
     chosen = _cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
                                     shared_memory=shared_memory)
-    if config is not None:
-        unknown = set(config) - set(_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+    if config is not None:  # checked by chunked_causal_product
         chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
@@ -410,14 +455,15 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     has_initial_state = initial_state is not None
     initial_state = initial_state if has_initial_state else final_state
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
-    _chunked_kernel[grid](
-        q, k, v, o, initial_state, final_state,
-        T, H, D, E, int(reverse), int(has_initial_state),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
-        BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
-        WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
-        num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
-    )
+    with _launch_guard():
+        _chunked_kernel[grid](
+            q, k, v, o, initial_state, final_state,
+            T, H, D, E, int(reverse), int(has_initial_state),
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
+            BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
+            WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+            num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
+        )
     return o, final_state
 
 
@@ -469,15 +515,16 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *,
     dq_arg = dk if dq is None else dq
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
-    _chunked_backward_kernel[(B * H,)](
-        q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, T, H, D, E,
-        int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
-        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
-        *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-        BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-        WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
-        num_warps=fused["num_warps"], num_stages=fused["num_stages"],
-    )
+    with _launch_guard():
+        _chunked_backward_kernel[(B * H,)](
+            q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, T, H, D, E,
+            int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
+            *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
+            BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
+            WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+        )
     return dq, dk, dv, ds0
 
 
@@ -493,6 +540,7 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
         q, k, v, initial_state = ctx.saved_tensors
         needs_q, needs_k, needs_v, needs_initial_state, _ = ctx.needs_input_grad
@@ -519,6 +567,123 @@ class _ChunkedCausalProduct(torch.autograd.Function):
                 grad_initial_state if needs_initial_state else None, None)
 
 
+# Input checks. The package's API makes the same ones with the same messages; they are repeated
+# here so that this file, copied alone, refuses what its kernels cannot compute right.
+
+#: The largest head dimension (D and E) the kernels take.
+MAX_HEAD_DIM = 256
+#: Offsets inside one (batch, head) slice are 32-bit: its last element may sit at most this far in.
+INDEX_LIMIT = 2**31 - 1
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dense(name, x):
+    """Sparse, nested and other non-strided tensors have no (B, H, T, D) strides to walk."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; pad it first")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        "convert it with .to_dense()")
+
+
+def check_inputs(q, k, v, initial_state, method='chunked'):
+    """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
+    take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
+    dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
+    MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
+    dense floating (B, H, D, E) tensor on their device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense(name, x)
+        if x.dim() != 4:
+            shape_hint = "(B, H, T, E)" if name == "v" else "(B, H, T, D)"
+            raise ValueError(f"{name} must have 4 dimensions {shape_hint}, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have the same shape (B, H, T, D), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must share B, H and T with q: v is {tuple(v.shape)} (B, H, T, E), q is {tuple(q.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "convert them first, e.g. k.to(q.dtype)"
+        )
+    if q.dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            f"method {method!r} supports dtypes float32, float16, bfloat16; q, k, v are {q.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if q.device.type != expected_device:
+        where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        raise ValueError(
+            f"method {method!r} runs on {where} in this session, so q, k, v must be on "
+            f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})"
+        )
+    D, E = q.shape[-1], v.shape[-1]
+    if D < 1 or E < 1:
+        raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
+    if D > MAX_HEAD_DIM or E > MAX_HEAD_DIM:
+        raise ValueError(
+            f"method {method!r} supports D and E up to {MAX_HEAD_DIM}; got D={D} (q, k) and E={E} (v). "
+            "Split the head dimension or use a reference method"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _, _, length, width = x.shape
+        _, _, stride_t, stride_last = x.stride()
+        last_offset = (length - 1) * abs(stride_t) + (width - 1) * abs(stride_last)
+        if length > 0 and last_offset > INDEX_LIMIT:
+            raise ValueError(
+                f"method {method!r} indexes one (batch, head) slice with 32-bit offsets: {name} spans "
+                f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
+                f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
+            )
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        _check_dense("initial_state", initial_state)
+        expected = (*q.shape[:2], D, E)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+            )
+        if not initial_state.dtype.is_floating_point:
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(
+                f"initial_state must be on the same device as q ({q.device}), got {initial_state.device}"
+            )
+
+
+_INTERPRETER_LOCK_NAME = "serial_launch_lock"
+
+
+def _launch_guard():
+    """Triton's interpreter swaps triton.language's functions for its own while a kernel runs, so
+    two threads interpreting at once break each other's launches. Under the interpreter every
+    launch therefore holds one process-wide lock, kept on Triton's interpreter module so that every
+    kernel file (and any copy of one) shares it; on a GPU launches go ahead unserialised."""
+    if not triton.knobs.runtime.interpret:
+        return contextlib.nullcontext()
+    from triton.runtime import interpreter
+    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+
+
+def _resolved(q, k, v, initial_state):
+    """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
+    kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
+    if initial_state is not None:
+        initial_state = initial_state.resolve_neg().to(torch.float32)
+    return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
+
+
 def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
@@ -530,6 +695,16 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     the rule's value (``default_config``). The backward passes of the forward kernel use the same
     config; the fused backward takes its CHUNK (``fused_backward_config``).
     """
+    check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``chunked_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.

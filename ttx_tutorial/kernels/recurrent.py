@@ -108,7 +108,9 @@ Fragile
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -429,13 +431,15 @@ def _resolve_config(q, v, config):
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
     if config is None:
         return chosen
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
     # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
     readers = [walk for walk, keys in WALK_KEYS.items() if set(config) <= set(keys)]
     walk = config.get("WALK", chosen["WALK"] if chosen["WALK"] in readers or not readers else readers[0])
-    if walk not in WALK_KEYS:
+    if not isinstance(walk, str) or walk not in WALK_KEYS:
         raise ValueError(f"WALK must be one of {tuple(WALK_KEYS)}, got {walk!r}")
     stray = set(config) - {"WALK", *WALK_KEYS[walk]}
     if stray:
@@ -449,8 +453,13 @@ def _resolve_config(q, v, config):
         chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
     for name in WALK_KEYS[walk][:3]:  # the block sizes
         value = chosen[name]
-        if not isinstance(value, int) or value < 1 or value & (value - 1):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value!r}")
+    warps, stages = chosen["num_warps"], chosen["num_stages"]
+    if not isinstance(warps, int) or isinstance(warps, bool) or not 1 <= warps <= 32 or warps & (warps - 1):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {warps!r}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"num_stages must be an int of at least 1, got {stages!r}")
     if walk == "tokens" and chosen["COLS"] > chosen["BLOCK_E"]:
         raise ValueError(f"COLS ({chosen['COLS']}) must not exceed BLOCK_E ({chosen['BLOCK_E']})")
     if walk == "blocks":
@@ -478,24 +487,26 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     if cfg["WALK"] == "tokens":
         grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
-        recurrent_kernel[grid](
-            q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
-            *arguments, *o.stride(), *s0_strides,
-            BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
-            NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        with _launch_guard():
+            recurrent_kernel[grid](
+                q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
+                *arguments, *o.stride(), *s0_strides,
+                BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
+                NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
         return o, final_state
     key_blocks = triton.cdiv(D, cfg["BLOCK_D"])
     # Several key blocks each write their part of o's sum over D, in float32; they add up below.
     parts = (torch.empty((key_blocks, B, H, T, E), dtype=torch.float32, device=q.device)
              if key_blocks > 1 else o[None])
     grid = (triton.cdiv(E, cfg["BLOCK_E"]) * key_blocks * B * H,)
-    recurrent_cumsum_kernel[grid](
-        q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
-        *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
-        BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
-        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    with _launch_guard():
+        recurrent_cumsum_kernel[grid](
+            q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
+            *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
+            BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
+            NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
         total = parts[0]
@@ -535,14 +546,137 @@ class _RecurrentCausalProduct(torch.autograd.Function):
         return dq, dk, (dv if need_v else None), ds0, None
 
 
+# Input checks. The package's API makes the same ones with the same messages; they are repeated
+# here so that this file, copied alone, refuses what its kernels cannot compute right.
+
+#: The largest head dimension (D and E) the kernels take.
+MAX_HEAD_DIM = 256
+#: Offsets inside one (batch, head) slice are 32-bit: its last element may sit at most this far in.
+INDEX_LIMIT = 2**31 - 1
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dense(name, x):
+    """Sparse, nested and other non-strided tensors have no (B, H, T, D) strides to walk."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; pad it first")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        "convert it with .to_dense()")
+
+
+def check_inputs(q, k, v, initial_state, method='recurrent'):
+    """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
+    take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
+    dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
+    MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
+    dense floating (B, H, D, E) tensor on their device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense(name, x)
+        if x.dim() != 4:
+            shape_hint = "(B, H, T, E)" if name == "v" else "(B, H, T, D)"
+            raise ValueError(f"{name} must have 4 dimensions {shape_hint}, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have the same shape (B, H, T, D), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must share B, H and T with q: v is {tuple(v.shape)} (B, H, T, E), q is {tuple(q.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "convert them first, e.g. k.to(q.dtype)"
+        )
+    if q.dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            f"method {method!r} supports dtypes float32, float16, bfloat16; q, k, v are {q.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if q.device.type != expected_device:
+        where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        raise ValueError(
+            f"method {method!r} runs on {where} in this session, so q, k, v must be on "
+            f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})"
+        )
+    D, E = q.shape[-1], v.shape[-1]
+    if D < 1 or E < 1:
+        raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
+    if D > MAX_HEAD_DIM or E > MAX_HEAD_DIM:
+        raise ValueError(
+            f"method {method!r} supports D and E up to {MAX_HEAD_DIM}; got D={D} (q, k) and E={E} (v). "
+            "Split the head dimension or use a reference method"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _, _, length, width = x.shape
+        _, _, stride_t, stride_last = x.stride()
+        last_offset = (length - 1) * abs(stride_t) + (width - 1) * abs(stride_last)
+        if length > 0 and last_offset > INDEX_LIMIT:
+            raise ValueError(
+                f"method {method!r} indexes one (batch, head) slice with 32-bit offsets: {name} spans "
+                f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
+                f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
+            )
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        _check_dense("initial_state", initial_state)
+        expected = (*q.shape[:2], D, E)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+            )
+        if not initial_state.dtype.is_floating_point:
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(
+                f"initial_state must be on the same device as q ({q.device}), got {initial_state.device}"
+            )
+
+
+_INTERPRETER_LOCK_NAME = "serial_launch_lock"
+
+
+def _launch_guard():
+    """Triton's interpreter swaps triton.language's functions for its own while a kernel runs, so
+    two threads interpreting at once break each other's launches. Under the interpreter every
+    launch therefore holds one process-wide lock, kept on Triton's interpreter module so that every
+    kernel file (and any copy of one) shares it; on a GPU launches go ahead unserialised."""
+    if not triton.knobs.runtime.interpret:
+        return contextlib.nullcontext()
+    from triton.runtime import interpreter
+    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+
+
+def _resolved(q, k, v, initial_state):
+    """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
+    kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
+    if initial_state is not None:
+        initial_state = initial_state.resolve_neg().to(torch.float32)
+    return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
+
+
 def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule."""
-    if initial_state is not None:
-        initial_state = initial_state.to(torch.float32)  # a no-op (and no copy) when already float32
+    check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``recurrent_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.

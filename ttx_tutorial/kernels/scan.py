@@ -74,15 +74,21 @@ did before pass 2 joined it), and in pass 2's tail for some tiles. Fragile:
   - the interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 bit patterns
     in tl.dot; under it (INTERPRETED) the kernels round by hand and widen dot operands to
     float32, so that the CPU computes what the GPU does;
+  - causality holds for non-finite values too (a padded batch's garbage never reaches earlier
+    tokens): the masks select (``tl.where``) rather than multiply, and ``_masked_product`` keeps
+    the masked zeros from meeting a non-finite row (0 * inf is NaN). A non-finite input makes
+    the outputs it reaches NaN, where float64 arithmetic may give +-inf;
   - offsets inside one (batch, head, segment) are int32; a configuration needing more shared
     memory than the GPU has fails at launch with an out-of-resources error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -101,6 +107,19 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def _masked_product(b_scores, b_right, walk_pos, acc, CHUNK: tl.constexpr, FLOAT32_PRECISION: tl.constexpr):
+    """acc + b_scores @ b_right for scores masked by selection, where row i sees row j exactly when
+    walk_pos[j] <= walk_pos[i]. The masked zeros still multiply every row of b_right, and 0 * inf
+    is NaN: so b_right's non-finite entries enter the product as 0, and every output that sees
+    one is set to NaN after it. A non-finite value then reaches the tokens that see it only."""
+    finite = tl.abs(b_right.to(tl.float32)) < float("inf")
+    first_non_finite = tl.min(tl.where(finite, CHUNK, walk_pos[:, None]), axis=0)
+    acc = tl.dot(b_scores, tl.where(finite, b_right, 0.0).to(b_right.dtype), acc=acc,
+                 input_precision=FLOAT32_PRECISION)
+    return tl.where(walk_pos[:, None] >= first_non_finite[None, :], float("nan"), acc)
 
 
 @triton.jit
@@ -263,8 +282,10 @@ def _segment_outputs_kernel(
     mask_de = mask_d[:, None] & mask_e[None, :]
     if REVERSE:
         causal = offs_c[:, None] <= offs_c[None, :]
+        walk_pos = CHUNK - 1 - offs_c
     else:
         causal = offs_c[:, None] >= offs_c[None, :]
+        walk_pos = offs_c
 
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
     q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
@@ -295,8 +316,8 @@ def _segment_outputs_kernel(
         b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                      _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      input_precision=FLOAT32_PRECISION)
-        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                     b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
+        b_o = _masked_product(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                              b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), walk_pos, b_o, CHUNK, FLOAT32_PRECISION)
         b_state = tl.dot(b_kt, b_v.to(DOT_DTYPE), acc=b_state, input_precision=FLOAT32_PRECISION)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
@@ -389,8 +410,9 @@ def _segment_backward_kernel(
             b_dq = tl.dot(b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                           _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)
-            b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                          b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
+            b_dq = _masked_product(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                                   b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), offs_c, b_dq, CHUNK,
+                                   FLOAT32_PRECISION)
             b_p = tl.dot(b_vt, b_k.to(DOT_DTYPE), acc=b_p, input_precision=FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -399,6 +421,7 @@ def _segment_backward_kernel(
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
     upper = offs_c[:, None] <= offs_c[None, :]
+    reverse_pos = CHUNK - 1 - offs_c
     for i in range(0, n_chunks):
         offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < tokens
@@ -415,11 +438,11 @@ def _segment_backward_kernel(
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)
-        b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                      b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dv, input_precision=FLOAT32_PRECISION)
+        b_dv = _masked_product(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                               b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), reverse_pos, b_dv, CHUNK, FLOAT32_PRECISION)
         b_dk = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)
-        b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                      b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
+        b_dk = _masked_product(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                               b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), reverse_pos, b_dk, CHUNK, FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -453,6 +476,30 @@ TUNING_CANDIDATES = [
     )
     for length in (None, 1024, 2048, 4096)
 ]
+
+
+def check_config(config):
+    """A TypeError or ValueError naming the key and its limit for a config the kernels cannot run:
+    CHUNK and BLOCK_E powers of two of at least 16 (``tl.dot``'s smallest tile on a GPU),
+    SEGMENT_LEN None or a positive int (a multiple of CHUNK, checked once CHUNK is resolved),
+    num_warps a power of two up to 32, num_stages at least 1."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
+    for key, value in config.items():
+        if key == "SEGMENT_LEN" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"config {key} must be an int, got {value!r}")
+        if key in ("CHUNK", "BLOCK_E") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"config {key} must be a power of two >= 16, got {value}")
+        if key == "num_warps" and not (1 <= value <= 32 and value & (value - 1) == 0):
+            raise ValueError(f"config num_warps must be a power of two from 1 to 32, got {value}")
+        if key in ("num_stages", "SEGMENT_LEN") and value < 1:
+            raise ValueError(f"config {key} must be at least 1, got {value}")
+
 
 # Head dimensions the candidates are meant for (launch_variants compiles them for these).
 _TUNED_HEAD_DIMS = (64, 128)
@@ -651,13 +698,14 @@ def _segment_starts(k, v, initial, *, reverse, config):
     states = torch.empty(B * H, n_segments, D, E, device=k.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
-    _segment_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
-        k, v, states, initial.tensor, arrivals, T, D, E, H, config["SEGMENT_LEN"], n_segments,
-        *k.stride(), *v.stride(), sb, sh, sd, se,
-        REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
-        INTERPRETED=triton.knobs.runtime.interpret,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    with _launch_guard():
+        _segment_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
+            k, v, states, initial.tensor, arrivals, T, D, E, H, config["SEGMENT_LEN"], n_segments,
+            *k.stride(), *v.stride(), sb, sh, sd, se,
+            REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
+            INTERPRETED=triton.knobs.runtime.interpret,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
 
 
@@ -669,13 +717,14 @@ def _segment_outputs(q, k, v, starts, *, reverse, config):
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
     final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
-    _segment_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
-        q, k, v, o, starts.tensor, final_state, T, D, E, H, config["SEGMENT_LEN"], n_segments,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
-        REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
-        INTERPRETED=triton.knobs.runtime.interpret,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    with _launch_guard():
+        _segment_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
+            q, k, v, o, starts.tensor, final_state, T, D, E, H, config["SEGMENT_LEN"], n_segments,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
+            REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
+            INTERPRETED=triton.knobs.runtime.interpret,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
     return o, final_state
 
 
@@ -689,15 +738,16 @@ def _segment_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
     ds0 = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
-    _segment_backward_kernel[(B * H * n_segments,)](
-        q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
-        T, D, E, H, segment_len, n_segments, int(compute_dq),
-        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
-        *forward_starts.strides, *suffix_starts.strides,
-        BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-        INTERPRETED=triton.knobs.runtime.interpret,
-        num_warps=fused["num_warps"], num_stages=fused["num_stages"],
-    )
+    with _launch_guard():
+        _segment_backward_kernel[(B * H * n_segments,)](
+            q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
+            T, D, E, H, segment_len, n_segments, int(compute_dq),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
+            *forward_starts.strides, *suffix_starts.strides,
+            BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
+            INTERPRETED=triton.knobs.runtime.interpret,
+            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+        )
     return dq, dk, dv, ds0
 
 
@@ -740,6 +790,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
         q, k, v, start_tensor = ctx.saved_tensors
         need_q, need_k, need_v, need_initial = ctx.needs_input_grad[:4]
@@ -781,6 +832,123 @@ class _ScanCausalProduct(torch.autograd.Function):
                 d_initial if need_initial else None, None)
 
 
+# Input checks. The package's API makes the same ones with the same messages; they are repeated
+# here so that this file, copied alone, refuses what its kernels cannot compute right.
+
+#: The largest head dimension (D and E) the kernels take.
+MAX_HEAD_DIM = 256
+#: Offsets inside one (batch, head) slice are 32-bit: its last element may sit at most this far in.
+INDEX_LIMIT = 2**31 - 1
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dense(name, x):
+    """Sparse, nested and other non-strided tensors have no (B, H, T, D) strides to walk."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; pad it first")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        "convert it with .to_dense()")
+
+
+def check_inputs(q, k, v, initial_state, method='scan'):
+    """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
+    take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
+    dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
+    MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
+    dense floating (B, H, D, E) tensor on their device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense(name, x)
+        if x.dim() != 4:
+            shape_hint = "(B, H, T, E)" if name == "v" else "(B, H, T, D)"
+            raise ValueError(f"{name} must have 4 dimensions {shape_hint}, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have the same shape (B, H, T, D), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must share B, H and T with q: v is {tuple(v.shape)} (B, H, T, E), q is {tuple(q.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "convert them first, e.g. k.to(q.dtype)"
+        )
+    if q.dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            f"method {method!r} supports dtypes float32, float16, bfloat16; q, k, v are {q.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if q.device.type != expected_device:
+        where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        raise ValueError(
+            f"method {method!r} runs on {where} in this session, so q, k, v must be on "
+            f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})"
+        )
+    D, E = q.shape[-1], v.shape[-1]
+    if D < 1 or E < 1:
+        raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
+    if D > MAX_HEAD_DIM or E > MAX_HEAD_DIM:
+        raise ValueError(
+            f"method {method!r} supports D and E up to {MAX_HEAD_DIM}; got D={D} (q, k) and E={E} (v). "
+            "Split the head dimension or use a reference method"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _, _, length, width = x.shape
+        _, _, stride_t, stride_last = x.stride()
+        last_offset = (length - 1) * abs(stride_t) + (width - 1) * abs(stride_last)
+        if length > 0 and last_offset > INDEX_LIMIT:
+            raise ValueError(
+                f"method {method!r} indexes one (batch, head) slice with 32-bit offsets: {name} spans "
+                f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
+                f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
+            )
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        _check_dense("initial_state", initial_state)
+        expected = (*q.shape[:2], D, E)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+            )
+        if not initial_state.dtype.is_floating_point:
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(
+                f"initial_state must be on the same device as q ({q.device}), got {initial_state.device}"
+            )
+
+
+_INTERPRETER_LOCK_NAME = "serial_launch_lock"
+
+
+def _launch_guard():
+    """Triton's interpreter swaps triton.language's functions for its own while a kernel runs, so
+    two threads interpreting at once break each other's launches. Under the interpreter every
+    launch therefore holds one process-wide lock, kept on Triton's interpreter module so that every
+    kernel file (and any copy of one) shares it; on a GPU launches go ahead unserialised."""
+    if not triton.knobs.runtime.interpret:
+        return contextlib.nullcontext()
+    from triton.runtime import interpreter
+    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+
+
+def _resolved(q, k, v, initial_state):
+    """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
+    kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
+    if initial_state is not None:
+        initial_state = initial_state.resolve_neg().to(torch.float32)
+    return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
+
+
 def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
@@ -788,6 +956,16 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``;
     ``TUNING_CANDIDATES`` lists complete ones."""
+    check_inputs(q, k, v, initial_state)
+    return _run_validated(q, k, v, initial_state, config)
+
+
+def _run_validated(q, k, v, initial_state=None, config=None):
+    """``scan_causal_product`` for inputs already through ``check_inputs`` (the package's API
+    makes the same checks, once)."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _ScanCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.

@@ -1,0 +1,316 @@
+"""No silent wrong answers: double backward, negative-bit views, non-finite values and causality,
+clear errors for bad configs and layouts, threads, and kernel files that check their own inputs.
+
+Each test here failed before its fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import ttx_tutorial
+from _strategies import TRITON_METHODS
+from test_inputs import BAD_INPUTS
+from ttx_tutorial import causal_product, references, testing
+from ttx_tutorial.kernels import chunked, recurrent, scan
+
+KERNEL_FUNCTIONS = {
+    "recurrent": recurrent.recurrent_causal_product,
+    "chunked": chunked.chunked_causal_product,
+    "scan": scan.scan_causal_product,
+}
+KERNEL_FILES = {name: Path(module.__file__) for name, module in
+                (("recurrent", recurrent), ("chunked", chunked), ("scan", scan))}
+TRITON_AND_AUTO = (*TRITON_METHODS, "auto")
+
+
+# --------------------------------------------------------------------------- double backward
+
+@pytest.mark.parametrize("method", TRITON_AND_AUTO)
+def test_a_gradient_of_a_gradient_is_refused_not_silently_zero(method, device):
+    q, k, v = testing.random_inputs(1, 2, 20, 8, 8, device=device, seed=1, requires_grad=True)
+    o = causal_product(q, k, v, method)
+    (dq,) = torch.autograd.grad((o**2).sum(), (q,), create_graph=True)
+    penalty = (dq**2).sum()
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        penalty.backward()
+
+
+# --------------------------------------------------------------------------- negative-bit views
+
+def negative_bit_view(x):
+    """A float32 view of x whose storage holds -x: the imaginary part of a conjugated complex tensor."""
+    view = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert view.is_neg() and torch.equal(view.resolve_neg(), x)
+    return view
+
+
+@pytest.mark.parametrize("argument", ["q", "k", "v", "initial_state"])
+@pytest.mark.parametrize("method", TRITON_AND_AUTO)
+def test_negative_bit_views_are_read_as_their_values(method, argument, device):
+    inputs = dict(zip(("q", "k", "v", "initial_state"),
+                      testing.random_inputs(1, 2, 21, 8, 12, device=device, seed=2, initial_state=True)))
+    leaf = inputs[argument].clone().requires_grad_()
+    passed = {**inputs, argument: negative_bit_view(leaf)}  # in the graph: gradients reach the leaf
+    assert passed[argument].is_neg()
+    ref_o, ref_state = testing.reference(*inputs.values())
+    with testing.poisoned_allocations():
+        o, state = causal_product(passed["q"], passed["k"], passed["v"], method,
+                                  initial_state=passed["initial_state"], return_state=True)
+    testing.assert_close(o, ref_o, torch.float32, "o")
+    testing.assert_close(state, ref_state, torch.float32, "S_T")
+    (grad,) = torch.autograd.grad(o.sum() + state.sum(), (leaf,))
+    up = {name: x.detach().double().requires_grad_(name == argument) for name, x in inputs.items()}
+    (ref_grad,) = torch.autograd.grad(sum(r.sum() for r in references.quadratic(*up.values())), (up[argument],))
+    testing.assert_close(grad, ref_grad, torch.float32, f"d{argument}")
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+T, LATE = 40, 21  # garbage from token LATE on, inside a chunk of every method
+
+
+def padded(device, argument, garbage, dtype=torch.float32):
+    q, k, v = (x.clone() for x in testing.random_inputs(1, 2, T, 8, 8, device=device, seed=3, dtype=dtype))
+    dict(q=q, k=k, v=v)[argument][:, :, LATE:] = garbage
+    return q, k, v
+
+
+def outputs_and_gradients_before(method, q, k, v):
+    """o of the tokens before LATE, and the gradients of q, k, v there for a fixed upstream
+    gradient that is zero from LATE on (as a padded batch masks its loss)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = causal_product(*leaves, method)
+    grad_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(9)).to(o.device, o.dtype)
+    grad_o[:, :, LATE:] = 0
+    o.backward(grad_o)
+    return o.detach()[:, :, :LATE], {name: x.grad[:, :, :LATE] for name, x in zip("qkv", leaves)}
+
+
+def expected_before(q, k, v):
+    """The same in float64 with the padding zeroed: what the tokens before LATE get if nothing
+    crosses from the padding."""
+    clean = (torch.where(torch.isfinite(x), x, 0).double() for x in (q, k, v))
+    return outputs_and_gradients_before("cumsum", *clean)
+
+
+# float32 takes the chunked backward through three forward launches, bfloat16 the fused kernels.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("garbage", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("argument", ["k", "v"])
+@pytest.mark.parametrize("method", (*ttx_tutorial.METHODS, "auto"))
+def test_non_finite_padding_leaves_earlier_tokens_exact(method, argument, garbage, dtype, device):
+    q, k, v = padded(device, argument, garbage, dtype)
+    o, grads = outputs_and_gradients_before(method, q, k, v)
+    ref_o, ref_grads = expected_before(q, k, v)
+    found = {"o": o, **{f"d{name}": grad for name, grad in grads.items()}}
+    expected = {"o": ref_o, **{f"d{name}": grad for name, grad in ref_grads.items()}}
+    for name, value in found.items():
+        testing.assert_close(value, expected[name], dtype, f"{name} before the padding")
+
+
+@pytest.mark.parametrize("method", (*ttx_tutorial.METHODS, "auto"))
+def test_non_finite_q_stays_in_its_own_output(method, device):
+    q, k, v = padded(device, "q", math.nan)
+    o = causal_product(q, k, v, method)
+    ref_o, _ = expected_before(q, k, v)
+    testing.assert_close(o[:, :, :LATE], ref_o, torch.float32, "o before the padding")
+    assert torch.isnan(o[:, :, LATE:]).all()
+
+
+# --------------------------------------------------------------------------- clear errors
+
+def raises(error_type, *fragments):
+    pattern = "".join(f"(?=.*{re.escape(fragment)})" for fragment in fragments)
+    return pytest.raises(error_type, match=re.compile(pattern, re.DOTALL))
+
+
+BAD_CONFIGS = [
+    ("chunked", {"CHUNK": 24}, ValueError, ["CHUNK", "power of two >= 16", "24"]),
+    ("chunked", {"CHUNK": 8}, ValueError, ["CHUNK", "power of two >= 16", "8"]),
+    ("chunked", {"BLOCK_E": 0}, ValueError, ["BLOCK_E", "power of two >= 16", "0"]),
+    ("chunked", {"BLOCK_E": 32.0}, TypeError, ["BLOCK_E", "int", "32.0"]),
+    ("chunked", {"num_warps": 3}, ValueError, ["num_warps", "power of two", "3"]),
+    ("chunked", {"num_stages": 0}, ValueError, ["num_stages", "at least 1", "0"]),
+    ("chunked", {"BLOCK": 16}, ValueError, ["unknown config keys", "BLOCK"]),
+    ("chunked", [("CHUNK", 16)], TypeError, ["config", "dict", "list"]),
+    ("scan", {"SEGMENT_LEN": [16]}, TypeError, ["SEGMENT_LEN", "int", "[16]"]),
+    ("scan", {"SEGMENT_LEN": 0}, ValueError, ["SEGMENT_LEN", "at least 1"]),
+    ("scan", {"SEGMENT_LEN": 40}, ValueError, ["SEGMENT_LEN", "multiple of CHUNK"]),
+    ("scan", {"CHUNK": 24}, ValueError, ["CHUNK", "power of two >= 16", "24"]),
+    ("scan", {"num_warps": 0}, ValueError, ["num_warps", "power of two", "0"]),
+    ("scan", {"num_stages": True}, TypeError, ["num_stages", "int", "True"]),
+    ("recurrent", {"num_warps": 3}, ValueError, ["num_warps", "power of two", "3"]),
+    ("recurrent", {"num_stages": 0}, ValueError, ["num_stages", "at least 1", "0"]),
+    ("recurrent", {"WALK": ["tokens"]}, ValueError, ["WALK", "tokens", "blocks"]),
+    ("recurrent", {"BLOCK_E": True}, ValueError, ["BLOCK_E", "power of two", "True"]),
+    ("recurrent", "tokens", TypeError, ["config", "dict", "str"]),
+]
+
+
+@pytest.mark.parametrize("method, config, error, fragments", BAD_CONFIGS,
+                         ids=[f"{m}-{c}" for m, c, *_ in BAD_CONFIGS])
+def test_bad_config_gets_an_error_naming_the_key_and_limit(method, config, error, fragments, device):
+    q, k, v = testing.random_inputs(1, 1, 48, 8, 8, device=device, seed=4)
+    with raises(error, *fragments):
+        KERNEL_FUNCTIONS[method](q, k, v, config=config)
+
+
+def sparse(x):
+    return x.to_sparse()
+
+
+def sparse_csr(x):
+    return x.to_sparse_csr(dense_dim=2)  # the last two dimensions stay dense, B and H compressed
+
+
+def nested(x):
+    return torch.nested.nested_tensor([x[0], x[1]])
+
+
+@pytest.mark.parametrize("make, layout", [(sparse, "sparse_coo"), (sparse_csr, "sparse_csr"), (nested, "nested")],
+                         ids=["sparse_coo", "sparse_csr", "nested"])
+@pytest.mark.parametrize("method", (*ttx_tutorial.METHODS, "auto"))
+def test_non_strided_layouts_are_refused_by_name(method, make, layout, device):
+    q, k, v = testing.random_inputs(2, 1, 6, 4, 4, device=device, seed=5)
+    with raises(TypeError, "q must be a dense (strided) tensor", layout):
+        causal_product(make(q), k, v, method)
+
+
+@pytest.mark.parametrize("method", ttx_tutorial.METHODS)
+def test_meta_tensors_are_refused(method):
+    q, k, v = (torch.empty(1, 1, 4, 4, device="meta") for _ in range(3))
+    with raises(ValueError, "meta"):
+        causal_product(q, k, v, method)
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_return_state_must_be_a_bool(bad, device):
+    q, k, v = testing.random_inputs(1, 1, 4, 4, 4, device=device, seed=7)
+    with raises(TypeError, "return_state", repr(bad)):
+        causal_product(q, k, v, "loop", return_state=bad)
+
+
+# --------------------------------------------------------------------------- threads
+
+def test_threads_calling_at_once_under_the_interpreter_take_turns(device):
+    if not ttx_tutorial.INTERPRETED:
+        pytest.skip("the interpreter's lock; GPU threads are tested on streams below")
+    problems = [testing.random_inputs(1, 1, 17, 4, 4, device=device, seed=10 + i, requires_grad=True)
+                for i in range(len(TRITON_METHODS))]
+    expected = []
+    for method, inputs in zip(TRITON_METHODS, problems):
+        o = causal_product(*inputs, method)
+        expected.append((o.detach(), torch.autograd.grad(o.sum(), inputs)))
+    failures, results = [], {}
+
+    def work(index, method, inputs):
+        try:
+            for _ in range(2):
+                o = causal_product(*inputs, method)
+                results[index] = (o.detach(), torch.autograd.grad(o.sum(), inputs))
+        except Exception as error:  # noqa: BLE001 - reported below with its thread
+            failures.append(f"{method}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=work, args=(i, m, p))
+               for i, (m, p) in enumerate(zip(TRITON_METHODS * 2, problems * 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    for index, (o, grads) in results.items():
+        want_o, want_grads = expected[index % len(TRITON_METHODS)]
+        assert torch.equal(o, want_o)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_threads_on_separate_streams_compute_what_one_thread_does(method):
+    problems = [testing.random_inputs(2, 4, 1000 + 17 * i, 64, 64, dtype=torch.bfloat16, seed=20 + i,
+                                      requires_grad=True) for i in range(8)]
+    expected = []
+    for inputs in problems:
+        o = causal_product(*inputs, method)
+        expected.append((o.detach(), torch.autograd.grad(o.float().sum(), inputs)))
+    torch.cuda.synchronize()
+    results, failures = {}, []
+
+    def work(index):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(20):
+                    o = causal_product(*problems[index], method)
+                    grads = torch.autograd.grad(o.float().sum(), problems[index])
+                stream.synchronize()
+            results[index] = (o.detach(), grads)
+        except Exception as error:  # noqa: BLE001 - reported below
+            failures.append(f"{type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(problems))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    for index, (o, grads) in results.items():
+        want_o, want_grads = expected[index]
+        assert torch.equal(o, want_o), f"o of problem {index}"
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), f"gradients of problem {index}"
+
+
+# --------------------------------------------------------------------------- kernel files alone
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_kernel_files_import_only_torch_triton_and_the_standard_library(name):
+    tree = ast.parse(KERNEL_FILES[name].read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
+    relative = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    foreign = {m for m in imported - {"torch", "triton"} if m not in sys.stdlib_module_names}
+    assert not relative and not foreign, (relative, foreign)
+
+
+def extra_bad_inputs():
+    q, k, v = testing.random_inputs(1, 2, 5, 4, 3, seed=8)
+    return {
+        "three_dimensional_q": ((q[0], k, v), {}),
+        "D_300": (testing.random_inputs(1, 1, 2, 300, 3, seed=8), {}),
+        "mixed_bfloat16": ((q, k.bfloat16(), v), {}),
+        "sparse_v": ((q, k, v.to_sparse()), {}),
+        "sparse_initial_state": ((q, k, v), {"initial_state": torch.zeros(1, 2, 4, 3).to_sparse()}),
+        "v_list": ((q, k, v.tolist()), {}),
+    }
+
+
+def bad_input_cases():
+    cases = {name: build() for name, (build, *_) in BAD_INPUTS.items()}
+    cases.update(extra_bad_inputs())
+    return cases
+
+
+def caught(call):
+    with pytest.raises((TypeError, ValueError)) as error:
+        call()
+    return type(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_kernel_functions_refuse_bad_input_with_the_api_s_messages(method):
+    kernel_function = KERNEL_FUNCTIONS[method]
+    for case, (args, kwargs) in bad_input_cases().items():
+        from_api = caught(lambda: causal_product(*args, method, **kwargs))
+        from_kernel_file = caught(lambda: kernel_function(*args, **kwargs))
+        assert from_kernel_file == from_api, f"{case}: {from_kernel_file} != {from_api}"
