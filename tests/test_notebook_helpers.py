@@ -38,7 +38,7 @@ def sample_kernel(x_ptr, BLOCK: tl.constexpr):
 def test_an_excerpt_runs_from_its_start_marker_up_to_its_stop_marker():
     assert excerpt(sample, "for step", "total *= 2") == (
         "    for step in range(x):  # the loop\n        total += step")
-    assert excerpt(sample, "# doubled") == "    total *= 2  # doubled"
+    assert excerpt(sample, "# doubled") == "    total *= 2  # doubled\n    return total"
 
 
 def test_an_excerpt_of_a_kernel_reads_its_python_source():

@@ -64,8 +64,8 @@ def banner() -> str:
 
 
 def excerpt(function: Callable[..., Any], start: str, stop: str | None = None) -> str:
-    """The lines of ``function``'s source from the first one containing ``start`` up to, not
-    including, the next one containing ``stop`` (with ``stop=None``: the ``start`` line alone).
+    """The lines of ``function``'s source from the one containing ``start`` up to, not
+    including, the next one containing ``stop`` (with ``stop=None``: to the function's end).
 
     A ``@triton.jit`` kernel is read through its ``.fn``. A marker that is missing, or found
     more than once, raises ``ValueError``: a notebook must never print a whole function where
@@ -76,7 +76,7 @@ def excerpt(function: Callable[..., Any], start: str, stop: str | None = None) -
     name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None), "__name__", "?")
     first = _only_line(lines, start, 0, name, "start")
     if stop is None:
-        return lines[first]
+        return "\n".join(lines[first:])
     last = next((i for i in range(first + 1, len(lines)) if stop in lines[i]), None)
     if last is None:
         raise ValueError(f"excerpt of {name}: stop marker {stop!r} not found after {start!r}")
