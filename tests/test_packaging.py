@@ -265,7 +265,13 @@ def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_s
     outside.mkdir()
     where = run_checked([str(python), "-c", "import ttx_tutorial; print(ttx_tutorial.__file__)"],
                         cwd=outside, env=env)
-    assert Path(where.stdout.strip()).is_relative_to(venv), f"imported {where.stdout} instead of the wheel"
+    installed = Path(where.stdout.strip()).parent
+    assert installed.is_relative_to(venv), f"imported {installed} instead of the wheel"
+    modules = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "ttx_tutorial").rglob("*.py")
+                     if "__pycache__" not in path.parts)
+    missing = [name for name in modules if not (installed.parent / name).is_file()]
+    assert not missing, f"the wheel lacks {missing}"
+    assert (installed / "py.typed").is_file() and (installed / "data" / "h200.json").is_file()
 
     destination = outside / "my notebooks"
     run_checked([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)], cwd=outside, env=env)
