@@ -112,6 +112,15 @@ def test_the_makefile_installs_the_pinned_versions(makefile_install_line):
     assert "-c constraints.txt" in makefile_install_line
 
 
+def test_installs_show_progress_and_cpu_1_takes_the_cpu_build_of_torch():
+    """A multi-GB first install must not look frozen; `make lab CPU=1` is the no-GPU route."""
+    lines = [line for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line]
+    assert lines and all("--quiet" not in line and "--progress-bar on" in line for line in lines)
+    (cpu_line,) = [line for line in lines if "$(TORCH_CPU_INDEX)" in line]
+    assert cpu_line.strip().startswith("$(if $(CPU),") and "-c constraints.txt" in cpu_line
+    assert "https://download.pytorch.org/whl/cpu" in (ROOT / "Makefile").read_text()
+
+
 def test_every_direct_dependency_is_pinned_within_its_range(constraints, direct_requirements):
     for name in MUST_BE_PINNED:
         assert name in constraints, f"constraints.txt must pin {name}"
