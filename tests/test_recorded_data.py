@@ -3,6 +3,7 @@ GPU, versions and command; no row of a Triton method is superseded by a later re
 notebook figures take their rows from one recording only."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,12 @@ def test_every_row_belongs_to_a_listed_recording_and_every_recording_has_rows(re
 
 
 def test_recordings_are_named_by_date_gpu_versions_and_command(recorded):
-    env = recorded["env"]
+    example = recording_name({"date": "2026-11-30", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130",
+                              "triton": "3.6.0"}, "python benchmarks/gpu_check.py --parts sweep")
+    named = re.compile(r"\d{4}-\d{2}-\d{2} .+, torch \S+, triton \S+: \S.*")
+    assert named.fullmatch(example)
     for name in recorded["recordings"]:
-        prefix = recording_name(env, "")
-        assert name.startswith(prefix) and len(name) > len(prefix), name
+        assert named.fullmatch(name), f"recording {name!r} is not named by date, GPU, versions and command"
 
 
 def test_no_row_of_a_triton_method_is_superseded_by_a_later_recording(recorded):
