@@ -6,6 +6,10 @@ VENV   ?= .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8888
 PYTEST_ARGS ?= -n auto --dist loadfile
+# CPU=1: PyTorch's CPU-only build (a few hundred MB instead of several GB of CUDA libraries),
+# for machines without an NVIDIA GPU, e.g.  make lab CPU=1
+CPU    ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 BIN    := $(VENV)/bin
 # Jupyter refuses to run as root (containers, cloud shells) unless told to.
@@ -18,8 +22,9 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[notebooks,test]"
+	$(BIN)/python -m pip install --progress-bar on --upgrade "pip>=23"
+	$(if $(CPU),$(BIN)/python -m pip install --progress-bar on -c constraints.txt --index-url $(TORCH_CPU_INDEX) torch)
+	$(BIN)/python -m pip install --progress-bar on -c constraints.txt -e ".[notebooks,test]"
 	touch $@
 
 ## JupyterLab on notebooks/, loopback only unless HOST is given; the URL with its token is printed.

@@ -21,7 +21,10 @@ Parts (``--parts``, comma-separated, default all):
 Timings are medians of ``triton.testing.do_bench``; inputs are bfloat16 with
 q, k ~ N(0, 1)/sqrt(D) and v ~ N(0, 1), layout (B, H, T, D) (fla gets (B, T, H, D), transposed
 outside the timed region, called with scale=1.0, normalize=False). Output: ``h200.json`` (or
-``<gpu>.json``) in ``ttx_tutorial/data``'s format, plus a table printed last.
+``<gpu>.json``) in ``ttx_tutorial/data``'s format, plus a table printed last. Every row names its
+recording: date, GPU, versions and this command line. To show new figures in the notebooks, add the
+recording and its rows to ``ttx_tutorial/data/h200.json`` and drop the rows of the Triton methods
+that it re-measures (a figure shows one recording; tests/test_recorded_data.py checks the file).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
+from ttx_tutorial.notebook import recording_name  # noqa: E402
 
 ISSUE_SHAPES = [(8, 16, 4096, 64, 64), (8, 16, 4096, 128, 128), (1, 8, 65536, 64, 64),
                 (2, 16, 16384, 128, 128)]  # (B, H, T, D, E)
@@ -84,15 +88,18 @@ class Recorder:
         self.rows = []
         self.path = path
         self.env = env
+        # Every row names its recording by date, GPU, versions and command, as in ttx_tutorial/data.
+        self.recording = recording_name(env, env["command"])
 
     def save(self):
-        self.path.write_text(json.dumps({"env": self.env, "rows": self.rows}, indent=1))
+        self.path.write_text(json.dumps({"env": self.env, "recordings": {self.recording: {}},
+                                         "rows": self.rows}, indent=1))
 
     def add(self, shape, impl, mode, dtype, ms, rel_err=None, config=None, part="", gpu_ms=None, rounds_ms=None):
         row = {"shape": list(shape), "impl": impl, "mode": mode, "dtype": dtype,
                "ms": None if ms is None else round(ms, 5),
                "rel_err": None if rel_err is None else float(f"{rel_err:.3e}"),
-               "config": config, "part": part}
+               "config": config, "part": part, "recording": self.recording}
         if gpu_ms is not None:
             row["gpu_ms"] = round(gpu_ms, 5)
         if rounds_ms is not None:

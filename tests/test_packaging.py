@@ -8,8 +8,10 @@ importing the package must pick the device mode without touching the GPU driver.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -86,10 +88,13 @@ def test_environment_yml_python_satisfies_requires_python(environment, pyproject
         f"environment.yml's {python_entry} does not satisfy requires-python {requires_python}")
 
 
-def test_environment_yml_installs_the_package_with_the_makefile_extras(
+def test_environment_yml_installs_the_package_with_the_makefile_extras_and_pins(
         environment, makefile_extras, pyproject):
     (pip_section,) = [entry["pip"] for entry in environment["dependencies"] if isinstance(entry, dict)]
-    (package,) = pip_section  # nothing else: pyproject.toml lists the dependencies
+    # nothing else: pyproject.toml lists the dependencies, constraints.txt pins them as for make
+    constraint, package = pip_section
+    assert constraint.split() == ["-c", "constraints.txt"], (
+        f"environment.yml's pip section should start with -c constraints.txt, got {constraint!r}")
     match = re.fullmatch(r"-e\s+\.\[([^\]]*)\]", package.strip())
     assert match, f"environment.yml should install the package as -e .[extras], got {package!r}"
     extras = {extra.strip() for extra in match[1].split(",")}
@@ -105,6 +110,15 @@ def test_constraints_pin_exact_versions(constraints):
 
 def test_the_makefile_installs_the_pinned_versions(makefile_install_line):
     assert "-c constraints.txt" in makefile_install_line
+
+
+def test_installs_show_progress_and_cpu_1_takes_the_cpu_build_of_torch():
+    """A multi-GB first install must not look frozen; `make lab CPU=1` is the no-GPU route."""
+    lines = [line for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line]
+    assert lines and all("--quiet" not in line and "--progress-bar on" in line for line in lines)
+    (cpu_line,) = [line for line in lines if "$(TORCH_CPU_INDEX)" in line]
+    assert cpu_line.strip().startswith("$(if $(CPU),") and "-c constraints.txt" in cpu_line
+    assert "https://download.pytorch.org/whl/cpu" in (ROOT / "Makefile").read_text()
 
 
 def test_every_direct_dependency_is_pinned_within_its_range(constraints, direct_requirements):
@@ -177,3 +191,111 @@ def test_an_invalid_device_choice_is_a_clear_error():
     result = import_in_subprocess(TTX_TUTORIAL_DEVICE="tpu")
     assert result.returncode != 0
     assert "ValueError: TTX_TUTORIAL_DEVICE must be one of ('cpu', 'cuda'), got 'tpu'" in result.stderr
+
+
+# --- the built distributions -----------------------------------------------------------------
+
+# What a source distribution must hold to run its own tests and install as the README says.
+SDIST_MUST_HOLD = ("tests/conftest.py", "tests/_strategies.py", "notebooks/conftest.py",
+                   "notebooks/nbval_sanitize.cfg", "Makefile", "constraints.txt", "environment.yml",
+                   "CHANGELOG.md", "README.md", "LICENSE", "ttx_tutorial/py.typed",
+                   "ttx_tutorial/data/h200.json")
+# Left out of the copy the distributions are built from: environments, caches, build outputs.
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
+                                    ".pytest_cache", ".hypothesis", ".ipynb_checkpoints", "results")
+
+
+def repository_notebooks():
+    """Every notebook of the course (exercises included), relative to notebooks/."""
+    folder = ROOT / "notebooks"
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*.ipynb")
+                  if ".ipynb_checkpoints" not in path.parts)
+
+
+def run_checked(command, **kwargs):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, **kwargs)
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def unpacked_sdist(tmp_path_factory):
+    """The sdist built from a copy of this tree (the tree itself stays untouched), unpacked."""
+    work = tmp_path_factory.mktemp("sdist")
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
+    run_checked([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                 "print(build_meta.build_sdist(sys.argv[1]))", str(work)], cwd=source)
+    (archive,) = work.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(work / "unpacked", filter="data")
+    (unpacked,) = (work / "unpacked").iterdir()
+    return unpacked
+
+
+def test_the_sdist_holds_what_its_tests_and_installs_need(unpacked_sdist):
+    missing = [name for name in SDIST_MUST_HOLD if not (unpacked_sdist / name).is_file()]
+    assert not missing, f"the sdist lacks {missing}"
+    tests_here = sorted(path.name for path in (ROOT / "tests").glob("*.py"))
+    assert sorted(path.name for path in (unpacked_sdist / "tests").glob("*.py")) == tests_here
+    shipped = sorted(str(path.relative_to(unpacked_sdist / "notebooks"))
+                     for path in (unpacked_sdist / "notebooks").rglob("*.ipynb"))
+    assert shipped == repository_notebooks()
+
+
+def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_sdist, tmp_path):
+    """The route of a pip user: the wheel (built from the sdist) installed in a new virtual
+    environment outside the repository, ``python -m ttx_tutorial notebooks DEST``, then nbval.
+
+    The environment sees this one's site-packages through a .pth file for torch, triton and
+    Jupyter, so nothing is downloaded. Every copied notebook must equal the repository's, which
+    the suite runs under nbval; the first one is run here again, from the wheel, in CPU mode.
+    """
+    wheels = tmp_path / "wheels"
+    run_checked([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                 "--quiet", "-w", str(wheels), str(unpacked_sdist)])
+    (wheel,) = wheels.glob("*.whl")
+
+    # Nothing of this process's import path: the wheel alone provides ttx_tutorial there.
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PYTHONPATH", "TRITON_INTERPRET", "TTX_TUTORIAL_DEVICE")}
+    env["TTX_TUTORIAL_DEVICE"] = "cpu"
+    venv = tmp_path / "venv"
+    run_checked([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    run_checked([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                 "--no-index", "--quiet", str(wheel)], env=env, cwd=tmp_path)
+    purelib = run_checked([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+    this_purelib = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib.stdout.strip()) / "outer_site_packages.pth").write_text(this_purelib + "\n")
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    where = run_checked([str(python), "-c", "import ttx_tutorial; print(ttx_tutorial.__file__)"],
+                        cwd=outside, env=env)
+    installed = Path(where.stdout.strip()).parent
+    assert installed.is_relative_to(venv), f"imported {installed} instead of the wheel"
+    modules = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "ttx_tutorial").rglob("*.py")
+                     if "__pycache__" not in path.parts)
+    missing = [name for name in modules if not (installed.parent / name).is_file()]
+    assert not missing, f"the wheel lacks {missing}"
+    assert (installed / "py.typed").is_file() and (installed / "data" / "h200.json").is_file()
+
+    destination = outside / "my notebooks"
+    run_checked([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)], cwd=outside, env=env)
+    copied = sorted(str(path.relative_to(destination)) for path in destination.rglob("*.ipynb"))
+    assert copied == repository_notebooks()
+    for name in copied:
+        assert (destination / name).read_bytes() == (ROOT / "notebooks" / name).read_bytes(), name
+
+    again = subprocess.run([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)],
+                           cwd=outside, env=env, capture_output=True, text=True)
+    assert again.returncode == 1 and "--overwrite" in again.stderr, "an existing notebook was replaced"
+
+    # nbval's settings of this repository (stderr never compared, addresses masked), then one run.
+    shutil.copyfile(ROOT / "notebooks" / "conftest.py", destination / "conftest.py")
+    first = destination / copied[0]
+    run_checked([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                 "--nbval-lax", f"--nbval-sanitize-with={ROOT / 'notebooks' / 'nbval_sanitize.cfg'}",
+                 f"--rootdir={destination}", str(first)], cwd=outside, env=env)

@@ -8,7 +8,7 @@ before any Triton kernel is defined and without touching the GPU driver.
 from ._device import DEVICE, INTERPRETED  # first: sets TRITON_INTERPRET before any @triton.jit
 from . import compiler  # before any kernel runs: it snapshots triton.language for GPU compiles
 from .api import MAX_HEAD_DIM, METHODS, causal_product, choose_method, method_info
-from .notebook import describe, on_gpu, size
+from .notebook import banner, describe, on_gpu, size
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "INTERPRETED",
     "MAX_HEAD_DIM",
     "METHODS",
+    "banner",
     "causal_product",
     "choose_method",
     "describe",

@@ -83,7 +83,7 @@ _SCAN_BELOW_PROGRAMS_PER_SM = 0.4
 _SCAN_FROM_LENGTH = 8192
 
 
-def choose_method(q, v) -> str:
+def choose_method(q: torch.Tensor, v: torch.Tensor) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle.
 
     "chunked" runs one program per (batch, head, block of 64 value columns) and walks the whole
@@ -108,7 +108,9 @@ def method_info(name: str) -> Method:
     return _REGISTRY[name]
 
 
-def causal_product(q, k, v, method=AUTO, *, initial_state=None, return_state=False):
+def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = AUTO, *,
+                   initial_state: torch.Tensor | None = None, return_state: bool = False,
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal linear attention: o_t = S_t^T q_t with S_t = S_{t-1} + k_t v_t^T.
 
     Args:
