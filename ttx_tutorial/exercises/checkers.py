@@ -93,7 +93,7 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             raise Failure(f"{message} ({case.describe()}).")
     T = out.shape[1]
     if T > 2:
-        cut = T // 2
+        cut = (T - 1) // 2  # off the chunk boundaries, so a leak inside a chunk shows too
         changed_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         for tensor in changed_inputs.values():
             tensor[:, cut:] = torch.randn_like(tensor[:, cut:], dtype=torch.float32).to(tensor.dtype)
@@ -173,7 +173,11 @@ def _without_blank(exercise, **functions):
     return None
 
 
-def _arguments_ok(exercise, kernel, expected):
+def _precheck(exercise, kernel, expected, **functions):
+    """The printed result when a blank is left or the kernel's arguments are not the spec's, else None."""
+    blank = _without_blank(exercise, kernel=kernel, **functions)
+    if blank is not None:
+        return blank
     try:
         require_arguments(kernel, expected, exercise)
     except Failure as failure:
@@ -209,8 +213,8 @@ FEATURE_MAP_BLOCK_T = 16
 def check_feature_map(kernel) -> "CheckResult":
     """Exercise 1: ``out = elu(x) + 1`` for x (T, D), one program per block of BLOCK_T rows."""
     exercise = "feature map"
-    early = _without_blank(exercise, kernel=kernel) or _arguments_ok(exercise, kernel, FEATURE_MAP_ARGS)
-    if early:
+    early = _precheck(exercise, kernel, FEATURE_MAP_ARGS)
+    if early is not None:
         return early
 
     def run_case(case, passed):
@@ -260,8 +264,8 @@ def _launch_per_sequence(kernel, extra_constexprs=None):
 def check_recurrent(kernel) -> "CheckResult":
     """Exercise 2: the per-token recurrent kernel, one program per sequence of (BH, T, D) inputs."""
     exercise = "recurrent"
-    early = _without_blank(exercise, kernel=kernel) or _arguments_ok(exercise, kernel, RECURRENT_ARGS)
-    if early:
+    early = _precheck(exercise, kernel, RECURRENT_ARGS)
+    if early is not None:
         return early
     options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
@@ -282,9 +286,8 @@ def check_small_dot(kernel, block_sizes) -> "CheckResult":
     ``block_sizes(T, D, E) -> (BLOCK_T, BLOCK_D, BLOCK_E)``; right values in the interpreter and a
     kernel the GPU compiler accepts for sm_80 and sm_90."""
     exercise = "small tl.dot blocks"
-    early = (_without_blank(exercise, kernel=kernel, block_sizes=block_sizes)
-             or _arguments_ok(exercise, kernel, ONE_CHUNK_ARGS))
-    if early:
+    early = _precheck(exercise, kernel, ONE_CHUNK_ARGS, block_sizes=block_sizes)
+    if early is not None:
         return early
     chosen = {}
 
@@ -335,8 +338,8 @@ def check_chunked(kernel) -> "CheckResult":
     """Exercise 4: chunks of 16 tokens, intra-chunk scores with the causal mask and the state
     carried across chunks; one program per sequence."""
     exercise = "chunked"
-    early = _without_blank(exercise, kernel=kernel) or _arguments_ok(exercise, kernel, CHUNKED_ARGS)
-    if early:
+    early = _precheck(exercise, kernel, CHUNKED_ARGS)
+    if early is not None:
         return early
     bf16_ok = interpreter_bf16_dot_ok()
     cases = [c for c in _sequence_cases(short_T=32, tail_T=37) if bf16_ok or c.dtype != torch.bfloat16]
@@ -362,8 +365,8 @@ def check_scan(kernel) -> "CheckResult":
     """Exercise 5: the state entering each segment, an exclusive prefix sum over segments of
     states (BH, S, D, E) float32; one program per (sequence, row d of the state)."""
     exercise = "scan step"
-    early = _without_blank(exercise, kernel=kernel) or _arguments_ok(exercise, kernel, SCAN_ARGS)
-    if early:
+    early = _precheck(exercise, kernel, SCAN_ARGS)
+    if early is not None:
         return early
     variants = [(lambda states: torch.cumsum(states, dim=1),
                  "each segment's own state is included (an inclusive scan): the state entering segment s is "
@@ -399,8 +402,8 @@ DQ_ARGS = ["do_ptr", "k_ptr", "v_ptr", "dq_ptr", "T", "D", "E",
 def check_dq(kernel) -> "CheckResult":
     """Exercise 6: dQ of the causal product for an upstream gradient dO, one program per sequence."""
     exercise = "backward dQ"
-    early = _without_blank(exercise, kernel=kernel) or _arguments_ok(exercise, kernel, DQ_ARGS)
-    if early:
+    early = _precheck(exercise, kernel, DQ_ARGS)
+    if early is not None:
         return early
 
     def make_inputs(case):
