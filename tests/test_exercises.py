@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -248,3 +250,20 @@ def test_grade_command_line_refuses_bad_limits(capsys):
         main(["grade", str(SOLUTIONS), "--time-limit", "0"])
     assert "--time-limit must be at least 1" in capsys.readouterr().err
 
+
+
+def test_triton_imported_first_is_explained(tmp_path):
+    if ttx_tutorial.on_gpu():
+        pytest.skip("the import order only matters for the CPU interpreter")
+    script = tmp_path / "triton_first.py"
+    script.write_text(
+        "import triton\nimport triton.language as tl\nimport ttx_tutorial\n"
+        "from ttx_tutorial.exercises import check_scan\n"
+        "@triton.jit\ndef exclusive_scan_kernel(states_ptr, out_ptr, S, E, stride_sh, stride_ss, stride_sd,\n"
+        "        stride_se, stride_oh, stride_os, stride_od, stride_oe, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):\n"
+        "    tl.cumsum(tl.zeros((BLOCK_S, BLOCK_E), dtype=tl.float32), axis=0)\n"
+        "check_scan(exclusive_scan_kernel)\n")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env.update(TTX_TUTORIAL_DEVICE="cpu", PYTHONPATH=str(ROOT))
+    completed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "import ttx_tutorial first" in completed.stdout, completed.stdout + completed.stderr

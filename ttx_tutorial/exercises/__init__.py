@@ -9,12 +9,11 @@
 """
 
 from ._harness import CheckResult
-from .checkers import (CHECKERS, check_chunked, check_dq, check_feature_map, check_recurrent, check_scan,
+from .checkers import (check_chunked, check_dq, check_feature_map, check_recurrent, check_scan,
                        check_small_dot)
 from .sources import run_cells, student_version
 
 __all__ = [
-    "CHECKERS",
     "CheckResult",
     "check_chunked",
     "check_dq",

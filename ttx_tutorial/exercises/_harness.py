@@ -147,7 +147,6 @@ class Case:
     sizes: dict
     dtype: torch.dtype = torch.float32
     transposed: bool = False
-    why: str = ""
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name}={value}" for name, value in self.sizes.items())
@@ -174,8 +173,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         shown = ", ".join(map(str, missing[:6])) + (", ..." if len(missing) > 6 else "")
         hint = ""
         if block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
-            hint = (f" Those are the {row_name} of the last, partial block: launch cdiv(n, BLOCK) programs, "
-                    f"not n // BLOCK.")
+            hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
+                    f"too, with masked loads and stores.")
         raise Failure(f"part of the output was never written ({case.describe()}): {row_name} {shown} "
                       f"still hold the checker's poison.{hint}")
     if torch.isnan(out).any():

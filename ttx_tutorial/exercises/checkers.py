@@ -14,7 +14,7 @@ import triton
 from .. import _device
 from ..compiler import compile_for_target
 from ..testing import TOLERANCES, random_inputs, relative_error
-from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, Failure, blank_in, blank_message, check_output,
+from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
                        dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,
                        next_power_of_2, precision_failure, report, require_arguments,
                        sixteen_bit_error_bound, success)
@@ -74,6 +74,10 @@ def _run_cases(exercise, cases, run_case, *, note=""):
             return report(exercise, False, f"✗ {exercise}: a blank is still `raise NotImplementedError()`: "
                                            f"fill it in and run its cell again.", passed)
         except Exception as error:  # the student's kernel raised: say where, do not crash the notebook
+            if _device.INTERPRETED and "outside of the scope of a kernel" in str(error):
+                return report(exercise, False, f"✗ {exercise}: Triton was imported before ttx_tutorial, so its own "
+                                               f"functions (tl.sum, tl.zeros, ...) cannot run in the interpreter. "
+                                               f"Restart the kernel and import ttx_tutorial first.", passed)
             return report(exercise, False, f"✗ {exercise}: the kernel raised {launch_error(error)} "
                                            f"({case.describe()}).", passed)
         passed.append(case)
@@ -210,7 +214,7 @@ FEATURE_MAP_ARGS = ["x_ptr", "out_ptr", "T", "D", "stride_xt", "stride_xd", "str
 FEATURE_MAP_BLOCK_T = 16
 
 
-def check_feature_map(kernel) -> "CheckResult":
+def check_feature_map(kernel) -> CheckResult:
     """Exercise 1: ``out = elu(x) + 1`` for x (T, D), one program per block of BLOCK_T rows."""
     exercise = "feature map"
     early = _precheck(exercise, kernel, FEATURE_MAP_ARGS)
@@ -261,7 +265,7 @@ def _launch_per_sequence(kernel, extra_constexprs=None):
     return launch
 
 
-def check_recurrent(kernel) -> "CheckResult":
+def check_recurrent(kernel) -> CheckResult:
     """Exercise 2: the per-token recurrent kernel, one program per sequence of (BH, T, D) inputs."""
     exercise = "recurrent"
     early = _precheck(exercise, kernel, RECURRENT_ARGS)
@@ -281,7 +285,7 @@ ONE_CHUNK_ARGS = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "T", "D", "E", *QKVO_STRID
 ONE_CHUNK_MAX = 16
 
 
-def check_small_dot(kernel, block_sizes) -> "CheckResult":
+def check_small_dot(kernel, block_sizes) -> CheckResult:
     """Exercise 3: one chunk of at most 16 tokens as ((Q Kᵀ) ⊙ M) V with tl.dot, on blocks chosen by
     ``block_sizes(T, D, E) -> (BLOCK_T, BLOCK_D, BLOCK_E)``; right values in the interpreter and a
     kernel the GPU compiler accepts for sm_80 and sm_90."""
@@ -334,7 +338,7 @@ def _chunk_blocks(case):
             "BLOCK_E": max(16, next_power_of_2(case.sizes["E"]))}
 
 
-def check_chunked(kernel) -> "CheckResult":
+def check_chunked(kernel) -> CheckResult:
     """Exercise 4: chunks of 16 tokens, intra-chunk scores with the causal mask and the state
     carried across chunks; one program per sequence."""
     exercise = "chunked"
@@ -361,7 +365,7 @@ SCAN_ARGS = ["states_ptr", "out_ptr", "S", "E", *_strides_names("s", "o", dims=[
              "BLOCK_S", "BLOCK_E"]
 
 
-def check_scan(kernel) -> "CheckResult":
+def check_scan(kernel) -> CheckResult:
     """Exercise 5: the state entering each segment, an exclusive prefix sum over segments of
     states (BH, S, D, E) float32; one program per (sequence, row d of the state)."""
     exercise = "scan step"
@@ -399,7 +403,7 @@ DQ_ARGS = ["do_ptr", "k_ptr", "v_ptr", "dq_ptr", "T", "D", "E",
            *_strides_names("do", "k", "v", "dq", dims=["hte", "htd", "hte", "htd"]), "BLOCK_D", "BLOCK_E"]
 
 
-def check_dq(kernel) -> "CheckResult":
+def check_dq(kernel) -> CheckResult:
     """Exercise 6: dQ of the causal product for an upstream gradient dO, one program per sequence."""
     exercise = "backward dQ"
     early = _precheck(exercise, kernel, DQ_ARGS)
@@ -431,12 +435,3 @@ def check_dq(kernel) -> "CheckResult":
     return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13),
                       lambda case, passed: _check_sequence_case(case, passed, **options))
 
-
-CHECKERS = {
-    "feature map": check_feature_map,
-    "recurrent": check_recurrent,
-    "small tl.dot blocks": check_small_dot,
-    "chunked": check_chunked,
-    "scan step": check_scan,
-    "backward dQ": check_dq,
-}

@@ -70,7 +70,7 @@ def _child_environment(folder: Path) -> dict:
            if name in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HOME=str(folder), TMPDIR=str(folder), TRITON_CACHE_DIR=str(folder / ".triton"),
                TTX_TUTORIAL_DEVICE="cpu", TTX_EXERCISES_REPORT=str(folder / REPORT_NAME),
-               MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+               MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return env
 
 

@@ -106,13 +106,13 @@ def code_cells(notebook: dict) -> list[str]:
     return [_source_text(cell) for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
-def run_cells(sources, namespace: dict, *, name: str = "cell") -> dict:
+def run_cells(sources, namespace: dict, *, name: str = "notebook", first_index: int = 0) -> dict:
     """Execute code cells one after another in ``namespace``, as a notebook kernel would.
 
-    Each cell's text is registered with ``linecache`` under its own file name, so
-    ``inspect.getsource`` works, which ``@triton.jit`` needs to read a kernel."""
-    for index, source in enumerate(sources):
-        filename = f"<{name} {index}>"
+    Each cell's text is registered with ``linecache`` under its own file name (``<name cell N>``),
+    so ``inspect.getsource`` works, which ``@triton.jit`` needs to read a kernel."""
+    for index, source in enumerate(sources, start=first_index):
+        filename = f"<{name} cell {index}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
         exec(compile(source, filename, "exec"), namespace)
     return namespace
