@@ -59,6 +59,8 @@ EXERCISES = {
                                    "o = tl.sum(state * q[:, None], axis=0)\n        state += k[:, None] * v[None, :]")],
          "own contribution is missing"),
         ("state_in_16_bits", STORE_16_BIT, "16 bits"),
+        ("k_read_with_q_strides", [("k_ptr + t * stride_kt + offs_d * stride_kd", "k_ptr + t * stride_qt + offs_d * stride_qd")],
+         "transposed ones do not"),
         ("value_tail_unmasked", [("mask=mask_e, other=0.0)", ")"), (", mask=mask_e)", ")")], "outside the output"),
     ]),
     "small_dot": ("ex3_small_dot_blocks",

@@ -150,7 +150,7 @@ class Case:
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name}={value}" for name, value in self.sizes.items())
-        layout = ", transposed inputs and output" if self.transposed else ""
+        layout = ", transposed tensors" if self.transposed else ""
         return f"{sizes}, {str(self.dtype).replace('torch.', '')}{layout}"
 
 

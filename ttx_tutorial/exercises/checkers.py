@@ -91,6 +91,9 @@ def _guarded_output(shape, dtype, transposed):
 def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol):
     """Why a sequence kernel's output is wrong: a known wrong variant, a future token leaking,
     wrong strides, 16-bit sums; else the error itself."""
+    if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
+        raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): the kernel "
+                      f"assumes a memory layout somewhere; address every tensor with its own stride arguments.")
     inputs64 = {name: tensor.double().cpu() for name, tensor in inputs.items()}
     for variant, message in variants:
         if relative_error(out, variant(**inputs64)) <= 2 * tol:
@@ -106,9 +109,6 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             raise Failure(f"changing tokens {cut}..{T - 1} changed outputs before token {cut}: a future token "
                           f"leaks into the past ({case.describe()}). Check the causal mask and the order of "
                           f"reading and updating the state.")
-    if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
-        raise Failure(f"contiguous inputs pass but transposed ones do not ({case.describe()}): the kernel "
-                      f"assumes a memory layout; step through every tensor with its own stride arguments.")
     reason = precision_failure(case, error, passed)
     if reason:
         raise Failure(reason)
@@ -118,15 +118,19 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
                          uses_dot):
     inputs = make_inputs(case)
-    guarded_inputs = {name: guarded_copy(t, transposed=case.transposed) for name, t in inputs.items()}
+
+    def guarded_inputs(values):
+        # every other input transposed, so a kernel that uses one tensor's strides for another fails too
+        return {name: guarded_copy(t, transposed=case.transposed and index % 2 == 0)
+                for index, (name, t) in enumerate(values.items())}
 
     def rerun(new_inputs):
         out, _ = _guarded_output(out_shape(case), case.dtype, case.transposed)
-        launch({name: guarded_copy(t, transposed=case.transposed) for name, t in new_inputs.items()}, out, case)
+        launch(guarded_inputs(new_inputs), out, case)
         return out
 
     out, allocation = _guarded_output(out_shape(case), case.dtype, case.transposed)
-    launch(guarded_inputs, out, case)
+    launch(guarded_inputs(inputs), out, case)
     ref = spec(**{name: t.double().cpu() for name, t in inputs.items()})
     error = check_output(out, allocation, ref, case, row_dim=1, row_name="tokens", block=row_block)
     tol = TOLERANCES[case.dtype]
@@ -235,7 +239,7 @@ def check_feature_map(kernel) -> CheckResult:
         if error <= TOLERANCES[case.dtype]:
             return
         if case.transposed and any(not c.transposed for c in passed):
-            raise Failure(f"contiguous inputs pass but transposed ones do not ({case.describe()}): use the "
+            raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): use the "
                           f"stride arguments (stride_xt, stride_xd, ...) for every address.")
         if torch.allclose(out.double().cpu(), torch.nn.functional.elu(x.double().cpu()),
                           rtol=2 * TOLERANCES[case.dtype], atol=1e-6):
