@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
 
 from .. import _device
 from ..compiler import compile_for_target
@@ -73,6 +74,8 @@ def _run_cases(exercise, cases, run_case, *, note=""):
         except NotImplementedError:
             return report(exercise, False, f"✗ {exercise}: a blank is still `raise NotImplementedError()`: "
                                            f"fill it in and run its cell again.", passed)
+        except CompilationError as error:  # GPU mode: the launch compiles for the device first
+            return report(exercise, False, f"✗ {exercise}: {_refusal(f'({case.describe()})', error)}", passed)
         except Exception as error:  # the student's kernel raised: say where, do not crash the notebook
             if _device.INTERPRETED and "outside of the scope of a kernel" in str(error):
                 return report(exercise, False, f"✗ {exercise}: Triton was imported before ttx_tutorial, so its own "
@@ -193,6 +196,14 @@ def _precheck(exercise, kernel, expected, **functions):
     return None
 
 
+def _refusal(where, error_or_message) -> str:
+    """A GPU compiler's refusal in plain words, with the fix when it is about tl.dot's sizes."""
+    message = error_or_message if isinstance(error_or_message, str) else launch_error(error_or_message)
+    hint = (" tl.dot needs every dimension of its blocks to be at least 16: pad the blocks and mask the loads."
+            if ">= 16" in message else "")
+    return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
+
+
 def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
     refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not."""
@@ -205,10 +216,7 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes):
                 result = compile_for_target(kernel, signature, constexprs, target=target)
                 if not result.ok:
                     blocks = ", ".join(f"{k}={v}" for k, v in constexprs.items())
-                    raise Failure(f"right values in the interpreter, but the GPU compiler refuses the kernel for "
-                                  f"{target} with {blocks}, {dtype_name(dtype)}: \"{result.message.splitlines()[0]}\". "
-                                  f"tl.dot needs every dimension of its blocks to be at least 16: pad the "
-                                  f"blocks and mask the loads.")
+                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)}", result.message))
 
 
 # --------------------------------------------------------------------------- 1. feature map
