@@ -233,5 +233,5 @@ def interpreter_bf16_dot_ok() -> bool:
     return _INTERPRETER_BF16_DOT_OK
 
 
-BF16_DOT_NOTE = (" bfloat16 was not run: on the CPU, Triton's interpreter computes bfloat16 tl.dot wrongly "
-                 "(checked just now on a known-good kernel), so only a GPU can check it")
+#: Said on success when the interpreter failed the bfloat16 tl.dot probe, so bfloat16 was skipped.
+BF16_DOT_NOTE = " bfloat16 skipped: this interpreter's bfloat16 tl.dot is wrong (just checked), a GPU can check it"
