@@ -1,0 +1,271 @@
+"""The classroom exercises: checkers accept the solutions and name the mistakes, the student
+notebooks are what the generator makes, and the grader isolates each submission.
+
+Each exercise's kernel comes from its solution notebook (notebooks/exercises/solutions/), so
+these tests check what students see. A wrong attempt is the solution with one plausible mistake
+written in (a text replacement that must apply); the blank is the student version's cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ttx_tutorial
+from ttx_tutorial import exercises
+from ttx_tutorial.exercises import grading
+from ttx_tutorial.exercises.sources import code_cells, notebook_text, run_cells, student_version
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "notebooks" / "exercises" / "solutions"
+STUDENTS = ROOT / "notebooks" / "exercises"
+CHECK_CALL = "result = check_"
+
+
+def exercise_namespace(stem, replacements=(), *, student=False):
+    """Run an exercise notebook's code cells up to its check call, after ``replacements``
+    (pairs of old, new text, each of which must occur in the kernel cell)."""
+    notebook = json.loads((SOLUTIONS / f"{stem}.ipynb").read_text(encoding="utf-8"))
+    if student:
+        notebook = student_version(notebook)
+    cells = [c for c in code_cells(notebook) if CHECK_CALL not in c and "result.passed" not in c]
+    for old, new in replacements:
+        matching = [i for i, cell in enumerate(cells) if old in cell]
+        assert len(matching) == 1, f"{old!r} must occur in exactly one cell of {stem}"
+        cells[matching[0]] = cells[matching[0]].replace(old, new)
+    return run_cells(cells, {"__name__": "__main__"}, name=stem)
+
+
+STORE_16_BIT = [("dtype=tl.float32)", "dtype=k_ptr.dtype.element_ty)"), (".to(tl.float32)", "")]
+
+#: exercise: (notebook, checker call, [(name, replacements, expected words of the diagnosis)])
+EXERCISES = {
+    "feature_map": ("ex1_masked_kernel", lambda ns: exercises.check_feature_map(ns["feature_map_kernel"]), [
+        ("store_without_mask", [("phi.to(out_ptr.dtype.element_ty), mask=mask)", "phi.to(out_ptr.dtype.element_ty))")],
+         "outside the output"),
+        ("contiguous_rows_assumed",
+         [("offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd", "offs_t[:, None] * D + offs_d[None, :]")],
+         "transposed ones do not"),
+        ("elu_without_plus_one", [("x + 1.0, tl.exp(x))", "x, tl.exp(x) - 1.0)")], "this is elu(x)"),
+    ]),
+    "recurrent": ("ex2_recurrent_kernel", lambda ns: exercises.check_recurrent(ns["recurrent_kernel"]), [
+        ("output_before_update", [("state += k[:, None] * v[None, :]\n        o = tl.sum(state * q[:, None], axis=0)",
+                                   "o = tl.sum(state * q[:, None], axis=0)\n        state += k[:, None] * v[None, :]")],
+         "own contribution is missing"),
+        ("state_in_16_bits", STORE_16_BIT, "16 bits"),
+        ("k_read_with_q_strides", [("k_ptr + t * stride_kt + offs_d * stride_kd", "k_ptr + t * stride_qt + offs_d * stride_qd")],
+         "transposed ones do not"),
+        ("value_tail_unmasked", [("mask=mask_e, other=0.0)", ")"), (", mask=mask_e)", ")")], "outside the output"),
+    ]),
+    "small_dot": ("ex3_small_dot_blocks",
+                  lambda ns: exercises.check_small_dot(ns["one_chunk_kernel"], ns["block_sizes"]), [
+        ("blocks_below_16", [("max(16, triton.next_power_of_2(n))", "triton.next_power_of_2(n)")],
+         "GPU compiler refuses"),
+        ("loads_without_masks", [(",\n                mask=mask_td, other=0.0)", ")"),
+                                 (",\n                mask=mask_te, other=0.0)", ")")], "NaN"),
+        ("diagonal_masked_out", [("offs_t[:, None] >= offs_t[None, :], scores", "offs_t[:, None] > offs_t[None, :], scores")],
+         "own contribution is missing"),
+    ]),
+    "chunked": ("ex4_chunked_kernel", lambda ns: exercises.check_chunked(ns["chunked_kernel"]), [
+        ("diagonal_masked_out", [("causal = offs_c[:, None] >= offs_c[None, :]", "causal = offs_c[:, None] > offs_c[None, :]")],
+         "own contribution is missing"),
+        ("state_updated_before_use",
+         [("        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n"
+           "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n",
+           "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n"
+           "        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n")],
+         "future token leaks"),
+        ("key_load_unmasked", [("stride_kd,\n                    mask=mask_td, other=0.0)", "stride_kd)")], "NaN"),
+    ]),
+    "scan": ("ex5_scan_step", lambda ns: exercises.check_scan(ns["exclusive_scan_kernel"]), [
+        ("inclusive_scan", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")], "inclusive scan"),
+        ("scan_along_e", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=1) - block")], "along E"),
+        ("store_without_mask", [("entering, mask=mask)", "entering)")], "outside the output"),
+    ]),
+    "dq": ("ex6_backward_dq", lambda ns: exercises.check_dq(ns["dq_kernel"]), [
+        ("output_before_update", [("state += v[:, None] * k[None, :]\n        dq = tl.sum(state * do[:, None], axis=0)",
+                                   "dq = tl.sum(state * do[:, None], axis=0)\n        state += v[:, None] * k[None, :]")],
+         "own term"),
+        ("walks_backwards", [("    for t in range(T):\n", "    for step in range(T):\n        t = T - 1 - step\n")],
+         "tokens after t"),
+        ("state_in_16_bits", STORE_16_BIT, "16 bits"),
+    ]),
+}
+
+WRONG_ATTEMPTS = [pytest.param(name, attempt, replacements, words, id=f"{name}-{attempt}")
+                  for name, (_, _, attempts) in EXERCISES.items() for attempt, replacements, words in attempts]
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_solution_passes(name, capsys):
+    stem, check, _ = EXERCISES[name]
+    result = check(exercise_namespace(stem))
+    assert result.passed, result.message
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("✓"), "success is one printed line"
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_blank_is_reported(name, capsys):
+    stem, check, _ = EXERCISES[name]
+    result = check(exercise_namespace(stem, student=True))
+    assert not result.passed
+    assert "still has the blank" in result.message
+    assert capsys.readouterr().out.count("✗") == 1, "one diagnosis, printed once"
+
+
+@pytest.mark.parametrize("name, attempt, replacements, words", WRONG_ATTEMPTS)
+def test_wrong_attempt_gets_its_diagnosis(name, attempt, replacements, words):
+    stem, check, _ = EXERCISES[name]
+    result = check(exercise_namespace(stem, replacements))
+    assert not result.passed
+    assert words in result.message, result.message
+
+
+def test_kernel_with_other_arguments_is_named(capsys):
+    namespace = exercise_namespace("ex1_masked_kernel", [("stride_ot, stride_od,", "stride_o,")])
+    result = exercises.check_feature_map(namespace["feature_map_kernel"])
+    assert not result.passed and "arguments must be exactly" in result.message
+
+
+def test_bf16_dot_on_cpu_is_not_blamed_on_the_student():
+    if ttx_tutorial.on_gpu():
+        pytest.skip("the interpreter's bfloat16 tl.dot only matters in CPU mode")
+    from ttx_tutorial.exercises._probe import bf16_dot_error
+
+    result = exercises.check_chunked(exercise_namespace("ex4_chunked_kernel")["chunked_kernel"])
+    if bf16_dot_error() < 1e-2:
+        assert "bfloat16" in result.message and "skipped" not in result.message
+    else:
+        assert result.passed and "bfloat16 skipped: this interpreter's bfloat16 tl.dot is wrong" in result.message
+
+
+# --------------------------------------------------------------------------- one source, two versions
+
+@pytest.mark.parametrize("source", sorted(SOLUTIONS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_committed_student_version_is_generated(source):
+    expected = notebook_text(student_version(json.loads(source.read_text(encoding="utf-8")), name=source.name))
+    committed = STUDENTS / source.name
+    assert committed.exists(), f"run: python -m ttx_tutorial.exercises generate"
+    assert committed.read_text(encoding="utf-8") == expected, \
+        f"{committed} differs from its generated version: run python -m ttx_tutorial.exercises generate"
+
+
+def test_every_student_notebook_has_a_source():
+    assert {p.name for p in STUDENTS.glob("*.ipynb")} == {p.name for p in SOLUTIONS.glob("*.ipynb")}
+    assert len(list(SOLUTIONS.glob("*.ipynb"))) >= 6
+
+
+def _notebook(*cells):
+    return {"cells": [{"cell_type": kind, "metadata": {}, "source": text,
+                       **({"outputs": [{"output_type": "stream", "name": "stdout", "text": "42"}],
+                           "execution_count": 3} if kind == "code" else {})} for kind, text in cells],
+            "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_student_version_follows_nbgrader():
+    notebook = _notebook(
+        ("code", "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"),
+        ("markdown", "Why?\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"),
+        ("code", "### BEGIN HIDDEN TESTS\nassert f(1) == 2\n### END HIDDEN TESTS\n"),
+        ("code", "print(f(1))\n### BEGIN HIDDEN TESTS\nassert f(2) == 3\n### END HIDDEN TESTS\n"),
+    )
+    student = student_version(notebook)
+    sources = ["".join(cell["source"]) for cell in student["cells"]]
+    assert sources == ["def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n",
+                       "Why?\nYOUR ANSWER HERE\n", "print(f(1))\n"]
+    assert all(cell["outputs"] == [] and cell["execution_count"] is None
+               for cell in student["cells"] if cell["cell_type"] == "code")
+    assert "Because" in notebook["cells"][1]["source"], "the source notebook is left as it was"
+
+
+@pytest.mark.parametrize("text", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n",
+                                  "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n",
+                                  "### BEGIN HIDDEN TESTS\nassert True\n"])
+def test_unbalanced_markers_are_refused(text):
+    with pytest.raises(ValueError, match="cell 0"):
+        student_version(_notebook(("code", text)))
+
+
+def test_student_version_refuses_what_is_not_a_notebook():
+    with pytest.raises(TypeError, match="notebook"):
+        student_version(["cells"])
+
+
+# --------------------------------------------------------------------------- grading
+
+def _tree_digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the grader's limits are Linux resource limits")
+def test_grade_reports_each_submission_and_touches_nothing(tmp_path):
+    submitted = tmp_path / "submitted"
+    submitted.mkdir()
+    grader_file = tmp_path / "gradebook.csv"
+    grader_file.write_text("the grader's own file\n")
+    solution = (SOLUTIONS / "ex1_masked_kernel.ipynb").read_text(encoding="utf-8")
+    (submitted / "ana_solved.ipynb").write_text(solution, encoding="utf-8")
+    (submitted / "ben_blank.ipynb").write_text((STUDENTS / "ex1_masked_kernel.ipynb").read_text(encoding="utf-8"),
+                                               encoding="utf-8")
+    wrong = "\n\n".join(c for c in code_cells(json.loads(solution)) if "result.passed" not in c)
+    (submitted / "cem_wrong.py").write_text(wrong.replace(", mask=mask)", ")"), encoding="utf-8")
+    (submitted / "dia_endless.py").write_text("while True:\n    pass\n", encoding="utf-8")
+    (submitted / "eli_misbehaves.py").write_text(
+        f"try:\n    open({str(grader_file)!r}, 'w').write('overwritten')\nexcept PermissionError as error:\n"
+        f"    print(error)\nwhile True:\n    print('x' * 1000)\n", encoding="utf-8")
+    before = _tree_digest(tmp_path)
+
+    rows = grading.grade([submitted], time_limit_s=20)
+
+    assert _tree_digest(tmp_path) == before, "the grader's files and the submissions are untouched"
+    table = {(row.student_file, row.passed): row for row in rows}
+    assert [row.student_file for row in rows] == ["ana_solved.ipynb", "ben_blank.ipynb", "cem_wrong.py",
+                                                  "dia_endless.py", "eli_misbehaves.py"]
+    assert table["ana_solved.ipynb", True].exercise == "feature map"
+    assert "still has the blank" in table["ben_blank.ipynb", False].diagnosis
+    assert "outside the output" in table["cem_wrong.py", False].diagnosis
+    assert "time limit" in table["dia_endless.py", False].diagnosis
+    assert "output passed the limit" in table["eli_misbehaves.py", False].diagnosis
+    text = grading.format_table(rows)
+    assert text.splitlines()[0].split() == ["student", "file", "exercise", "result", "diagnosis"]
+    csv_lines = grading.format_csv(rows).splitlines()
+    assert csv_lines[0] == "student_file,exercise,passed,diagnosis" and len(csv_lines) == len(rows) + 1
+
+
+def test_grade_refuses_what_it_cannot_grade(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt"):
+        grading.submissions([tmp_path / "notes.txt"])
+
+
+def test_grade_command_line_refuses_bad_limits(capsys):
+    from ttx_tutorial.exercises.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["grade", str(SOLUTIONS), "--time-limit", "0"])
+    assert "--time-limit must be at least 1" in capsys.readouterr().err
+
+
+
+def test_triton_imported_first_is_explained(tmp_path):
+    if ttx_tutorial.on_gpu():
+        pytest.skip("the import order only matters for the CPU interpreter")
+    script = tmp_path / "triton_first.py"
+    script.write_text(
+        "import triton\nimport triton.language as tl\nimport ttx_tutorial\n"
+        "from ttx_tutorial.exercises import check_scan\n"
+        "@triton.jit\ndef exclusive_scan_kernel(states_ptr, out_ptr, S, E, stride_sh, stride_ss, stride_sd,\n"
+        "        stride_se, stride_oh, stride_os, stride_od, stride_oe, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):\n"
+        "    tl.cumsum(tl.zeros((BLOCK_S, BLOCK_E), dtype=tl.float32), axis=0)\n"
+        "check_scan(exclusive_scan_kernel)\n")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env.update(TTX_TUTORIAL_DEVICE="cpu", PYTHONPATH=str(ROOT))
+    completed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "import ttx_tutorial first" in completed.stdout, completed.stdout + completed.stderr

@@ -1,0 +1,237 @@
+"""What every checker shares: guarded buffers, one run of a student's kernel, plain-words diagnoses.
+
+A checker launches the student's kernel itself, on buffers it controls:
+
+* every output sits inside a larger allocation filled with +inf: an element still +inf after
+  the launch was never written, and a change in the allocation outside the output is a store
+  past its edges (Triton's interpreter does not stop out-of-bounds stores, it just writes);
+* every input sits inside an allocation filled with NaN: a load that reads past an input's
+  edge brings NaN into the output instead of plausible numbers;
+* inputs are fresh random numbers for every call, and some cases lay tensors out transposed,
+  so a kernel that assumes contiguous rows fails there and only there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import json
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from .. import _device
+from ..testing import TOLERANCES, relative_error
+
+#: Elements of padding on each side of a guarded buffer; larger than any block a student uses.
+GUARD = 4096
+UNWRITTEN = math.inf
+OUTSIDE_INPUT = math.nan
+BLANK_MARKER = "raise NotImplementedError"
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one checker call: ``passed``, and the one-paragraph ``message`` printed."""
+
+    exercise: str
+    passed: bool
+    message: str
+    cases: list = field(default_factory=list)
+
+    def __bool__(self):
+        return self.passed
+
+    def __repr__(self):
+        return self.message
+
+
+class Failure(Exception):
+    """Raised inside a checker to stop at the first wrong case with its diagnosis."""
+
+
+def report(exercise: str, passed: bool, message: str, cases=()) -> CheckResult:
+    """Print the result and, under the grader, append it to the grader's report file."""
+    result = CheckResult(exercise, passed, message, list(cases))
+    print(message)
+    report_path = os.environ.get("TTX_EXERCISES_REPORT")
+    if report_path:
+        with open(report_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"exercise": exercise, "passed": passed, "message": message}) + "\n")
+    return result
+
+
+# --------------------------------------------------------------------------- buffers
+
+def guarded(logical_shape, dtype, *, fill, transposed=False, device=None):
+    """A tensor of ``logical_shape`` inside a flat allocation of ``GUARD`` extra elements on each
+    side, all set to ``fill``. ``transposed`` swaps the last two dimensions in memory, so the
+    tensor has the logical shape but not contiguous rows. Returns ``(tensor, allocation)``."""
+    device = _device.DEVICE if device is None else device
+    physical = list(logical_shape)
+    if transposed:
+        physical[-1], physical[-2] = physical[-2], physical[-1]
+    numel = math.prod(physical)
+    allocation = torch.full((numel + 2 * GUARD,), fill, dtype=dtype, device=device)
+    tensor = allocation[GUARD:GUARD + numel].view(physical)
+    if transposed:
+        tensor = tensor.transpose(-1, -2)
+    return tensor, allocation
+
+
+def guarded_copy(values, *, transposed=False):
+    """``values`` copied into a NaN-guarded buffer (see :func:`guarded`)."""
+    tensor, _ = guarded(values.shape, values.dtype, fill=OUTSIDE_INPUT, transposed=transposed)
+    tensor.copy_(values)
+    return tensor
+
+
+def outside_writes(allocation, tensor) -> int:
+    """How many elements of ``allocation`` outside ``tensor`` are no longer +inf."""
+    inside = torch.zeros(allocation.shape, dtype=torch.bool, device=allocation.device)
+    offset = tensor.storage_offset() - allocation.storage_offset()
+    inside.as_strided(tensor.shape, tensor.stride(), offset).fill_(True)
+    changed = allocation != UNWRITTEN
+    return int((changed & ~inside).sum())
+
+
+# --------------------------------------------------------------------------- the student's code
+
+def blank_in(function) -> str | None:
+    """``"line N"`` of the first unfilled blank in a kernel's or a function's source, else None."""
+    python_function = getattr(function, "fn", function)
+    try:
+        lines, first = inspect.getsourcelines(python_function)
+    except (OSError, TypeError):
+        return None
+    for number, line in enumerate(lines, start=first):
+        if BLANK_MARKER in line.split("#")[0]:
+            return f"line {number}"
+    return None
+
+
+def blank_message(exercise: str, name: str, where: str) -> str:
+    return (f"✗ {exercise}: {name} still has the blank to fill (`raise NotImplementedError()` at {where} "
+            f"of its cell): replace it with your code and run the cell again.")
+
+
+def require_arguments(kernel, expected, exercise):
+    """The kernel must be a @triton.jit function taking exactly ``expected`` (the spec's order)."""
+    names = getattr(kernel, "arg_names", None)
+    if names is None:
+        raise TypeError(f"{exercise}: kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    if list(names) != list(expected):
+        raise Failure(f"the kernel's arguments must be exactly {', '.join(expected)} (in that order); "
+                      f"yours are {', '.join(names)}")
+
+
+def launch_error(error: BaseException) -> str:
+    """The first line of what a launch raised, in a form a student can act on."""
+    text = str(error).strip().splitlines()
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    inner = str(cause).strip().splitlines()
+    line = (inner or text or [type(error).__name__])[0]
+    return f"{type(cause).__name__}: {line[:300]}"
+
+
+# --------------------------------------------------------------------------- cases
+
+@dataclass(frozen=True)
+class Case:
+    """One launch: sizes, dtype and whether inputs and output are laid out transposed."""
+
+    sizes: dict
+    dtype: torch.dtype = torch.float32
+    transposed: bool = False
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{name}={value}" for name, value in self.sizes.items())
+        layout = ", transposed tensors" if self.transposed else ""
+        return f"{sizes}, {str(self.dtype).replace('torch.', '')}{layout}"
+
+
+def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None):
+    """The diagnoses that need no knowledge of the exercise: stores outside the output, unwritten
+    elements, NaN read from outside an input. Returns the relative error when none applies."""
+    n_outside = outside_writes(allocation, out)
+    tail = (block is not None and out.shape[row_dim] % block != 0)
+    if n_outside:
+        hint = (f" The last block has {out.shape[row_dim] % block} {row_name} of {block}: its store needs a "
+                f"mask such as `mask=offs < n`." if tail else " A store needs a mask.")
+        raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
+    unwritten = out == UNWRITTEN
+    if unwritten.all() and out.numel():
+        raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "
+                      f"does it store to another pointer?")
+    if unwritten.any():
+        rows = unwritten.movedim(row_dim, 0).reshape(out.shape[row_dim], -1).any(dim=1)
+        missing = rows.nonzero().flatten().tolist()
+        shown = ", ".join(map(str, missing[:6])) + (", ..." if len(missing) > 6 else "")
+        hint = ""
+        if block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
+            hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
+                    f"too, with masked loads and stores.")
+        raise Failure(f"part of the output was never written ({case.describe()}): {row_name} {shown} "
+                      f"still hold the checker's poison.{hint}")
+    if torch.isnan(out).any():
+        raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): a load "
+                      f"without a mask read past the edge of an input (the checker surrounds inputs with NaN). "
+                      f"Give every load a mask and `other=0.0`.")
+    return relative_error(out, ref)
+
+
+def precision_failure(case: Case, error: float, passed_cases) -> str | None:
+    """A plain-words reason when a 16-bit case fails after the float32 ones passed."""
+    if case.dtype == torch.float32 or not any(c.dtype == torch.float32 for c in passed_cases):
+        return None
+    if case.dtype == torch.bfloat16 and _device.INTERPRETED:
+        return (f"float32 inputs pass, bfloat16 give relative error {error:.1e} ({case.describe()}). On the CPU, "
+                f"Triton's interpreter computes bfloat16 arithmetic wrongly (it works on the raw bits), so "
+                f"convert bfloat16 loads with `.to(tl.float32)` before any arithmetic; on a GPU, keeping sums "
+                f"in bfloat16 would lose precision anyway.")
+    return (f"float32 inputs pass, {str(case.dtype).replace('torch.', '')} give relative error {error:.1e} "
+            f"({case.describe()}): the sums are kept in 16 bits and lose precision as they grow. Accumulate "
+            f"in float32 (`tl.zeros(..., dtype=tl.float32)`, `.to(tl.float32)` on loads) and convert only "
+            f"when storing.")
+
+
+def sixteen_bit_error_bound(ref, dtype) -> float:
+    """Five times the error of rounding the exact result to ``dtype``: what a kernel that sums in
+    float32 stays well within, and a kernel that sums in 16 bits exceeds on long sequences."""
+    return max(TOLERANCES[torch.float32], 5 * relative_error(ref.to(dtype), ref))
+
+
+def success(exercise: str, cases, extra: str = "") -> str:
+    dtypes = sorted({str(c.dtype).replace("torch.", "") for c in cases})
+    return f"✓ {exercise}: correct on {len(cases)} cases ({', '.join(dtypes)}){extra}."
+
+
+def dtype_name(dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+_INTERPRETER_BF16_DOT_OK: bool | None = None
+
+
+def interpreter_bf16_dot_ok() -> bool:
+    """Whether bfloat16 ``tl.dot`` gives right values here: always on a GPU; on the CPU, asked
+    of the installed interpreter once (Triton 3.9's multiplies the raw bits and is wrong)."""
+    global _INTERPRETER_BF16_DOT_OK
+    if not _device.INTERPRETED:
+        return True
+    if _INTERPRETER_BF16_DOT_OK is None:
+        from ._probe import bf16_dot_error
+        _INTERPRETER_BF16_DOT_OK = bf16_dot_error() < 1e-2
+    return _INTERPRETER_BF16_DOT_OK
+
+
+#: Said on success when the interpreter failed the bfloat16 tl.dot probe, so bfloat16 was skipped.
+BF16_DOT_NOTE = " bfloat16 skipped: this interpreter's bfloat16 tl.dot is wrong (just checked), a GPU can check it"

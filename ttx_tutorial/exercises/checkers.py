@@ -1,0 +1,449 @@
+"""One checker per exercise: run the student's kernel on fresh random inputs, say what is wrong.
+
+Each checker launches the kernel itself (the exercise fixes its arguments), case by case from the
+easiest shape to the awkward ones (a tail that is not a multiple of the block, D != E, T = 1,
+transposed inputs, 16-bit inputs on long sequences), and stops at the first wrong case with a
+diagnosis in plain words (see ``_harness``). It prints one line and returns a ``CheckResult``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.compiler.errors import CompilationError
+
+from .. import _device
+from ..compiler import compile_for_target
+from ..testing import TOLERANCES, random_inputs, relative_error
+from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
+                       dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,
+                       next_power_of_2, precision_failure, report, require_arguments,
+                       sixteen_bit_error_bound, success)
+
+COMPILE_TARGETS = ("sm_80", "sm_90")
+
+
+# --------------------------------------------------------------------------- float64 specs
+
+def causal_product64(q, k, v, *, mask="causal"):
+    """o_t = sum over s of (q_t . k_s) v_s, for s <= t ("causal"), s < t ("strict"), s <= t + 1
+    ("one_ahead") or every s ("none"); inputs (BH, T, D), (BH, T, D), (BH, T, E) in float64."""
+    scores = q @ k.transpose(-1, -2)
+    T = q.shape[-2]
+    offset = {"causal": 0, "strict": -1, "one_ahead": 1, "none": T}[mask]
+    keep = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(offset)
+    return (scores * keep) @ v
+
+
+def dq64(do, k, v, *, mask="causal"):
+    """dQ of o = causal_product(q, k, v) for the upstream gradient do: dq_t = sum_{s<=t} (do_t . v_s) k_s,
+    itself a causal product with do, v, k in the roles of q, k, v. ``mask="reverse"``: s >= t."""
+    if mask == "reverse":
+        return causal_product64(do.flip(-2), v.flip(-2), k.flip(-2)).flip(-2)
+    return causal_product64(do, v, k, mask=mask)
+
+
+def feature_map64(x):
+    """phi(x) = elu(x) + 1, the positive feature map of "Transformers are RNNs"."""
+    return torch.nn.functional.elu(x) + 1
+
+
+def exclusive_scan64(states):
+    """The state entering each segment: the sum of the segments before it (states (BH, S, D, E))."""
+    return torch.cumsum(states, dim=1) - states
+
+
+# --------------------------------------------------------------------------- shared machinery
+
+def _stride_args(*tensors):
+    return [stride for tensor in tensors for stride in tensor.stride()]
+
+
+def _strides_names(*prefixes, dims):
+    return [f"stride_{prefix}{dim}" for prefix, dim_names in zip(prefixes, dims) for dim in dim_names]
+
+
+def _run_cases(exercise, cases, run_case, *, note=""):
+    """Run each case; the first Failure (or a launch that raises) becomes the printed diagnosis."""
+    passed = []
+    for case in cases:
+        try:
+            run_case(case, passed)
+        except Failure as failure:
+            return report(exercise, False, f"✗ {exercise}: {failure}", passed)
+        except NotImplementedError:
+            return report(exercise, False, f"✗ {exercise}: a blank is still `raise NotImplementedError()`: "
+                                           f"fill it in and run its cell again.", passed)
+        except CompilationError as error:  # GPU mode: the launch compiles for the device first
+            return report(exercise, False, f"✗ {exercise}: {_refusal(f'({case.describe()})', error)}", passed)
+        except Exception as error:  # the student's kernel raised: say where, do not crash the notebook
+            if _device.INTERPRETED and "outside of the scope of a kernel" in str(error):
+                return report(exercise, False, f"✗ {exercise}: Triton was imported before ttx_tutorial, so its own "
+                                               f"functions (tl.sum, tl.zeros, ...) cannot run in the interpreter. "
+                                               f"Restart the kernel and import ttx_tutorial first.", passed)
+            return report(exercise, False, f"✗ {exercise}: the kernel raised {launch_error(error)} "
+                                           f"({case.describe()}).", passed)
+        passed.append(case)
+    return report(exercise, True, success(exercise, passed, note), passed)
+
+
+def _guarded_output(shape, dtype, transposed):
+    return guarded(shape, dtype, fill=UNWRITTEN, transposed=transposed)
+
+
+def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol):
+    """Why a sequence kernel's output is wrong: a known wrong variant, a future token leaking,
+    wrong strides, 16-bit sums; else the error itself."""
+    if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
+        raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): the kernel "
+                      f"assumes a memory layout somewhere; address every tensor with its own stride arguments.")
+    inputs64 = {name: tensor.double().cpu() for name, tensor in inputs.items()}
+    for variant, message in variants:
+        if relative_error(out, variant(**inputs64)) <= 2 * tol:
+            raise Failure(f"{message} ({case.describe()}).")
+    T = out.shape[1]
+    if T > 2:
+        cut = (T - 1) // 2  # off the chunk boundaries, so a leak inside a chunk shows too
+        changed_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        for tensor in changed_inputs.values():
+            tensor[:, cut:] = torch.randn_like(tensor[:, cut:], dtype=torch.float32).to(tensor.dtype)
+        again = rerun(changed_inputs)
+        if not torch.equal(again[:, :cut], out[:, :cut]):
+            raise Failure(f"changing tokens {cut}..{T - 1} changed outputs before token {cut}: a future token "
+                          f"leaks into the past ({case.describe()}). Check the causal mask and the order of "
+                          f"reading and updating the state.")
+    reason = precision_failure(case, error, passed)
+    if reason:
+        raise Failure(reason)
+    raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()}).")
+
+
+def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
+                         uses_dot):
+    inputs = make_inputs(case)
+
+    def guarded_inputs(values):
+        # every other input transposed, so a kernel that uses one tensor's strides for another fails too
+        return {name: guarded_copy(t, transposed=case.transposed and index % 2 == 0)
+                for index, (name, t) in enumerate(values.items())}
+
+    def rerun(new_inputs):
+        out, _ = _guarded_output(out_shape(case), case.dtype, case.transposed)
+        launch(guarded_inputs(new_inputs), out, case)
+        return out
+
+    out, allocation = _guarded_output(out_shape(case), case.dtype, case.transposed)
+    launch(guarded_inputs(inputs), out, case)
+    ref = spec(**{name: t.double().cpu() for name, t in inputs.items()})
+    error = check_output(out, allocation, ref, case, row_dim=1, row_name="tokens", block=row_block)
+    tol = TOLERANCES[case.dtype]
+    long_16bit = case.dtype != torch.float32 and out.shape[1] >= 256
+    limit = min(tol, sixteen_bit_error_bound(ref, case.dtype)) if long_16bit else tol
+    if error <= limit:
+        return
+    if uses_dot and case.dtype == torch.float32 and not _device.INTERPRETED and error < 1e-2:
+        raise Failure(f"relative error {error:.1e} in float32 ({case.describe()}): on NVIDIA GPUs tl.dot rounds "
+                      f"float32 operands to TF32 unless told `input_precision=\"ieee\"`.")
+    _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol)
+
+
+def _qkv(case):
+    s = case.sizes
+    q, k, v = random_inputs(1, s["BH"], s["T"], s["D"], s["E"], dtype=case.dtype)
+    return {"q": q[0], "k": k[0], "v": v[0]}
+
+
+def _causal_variants():
+    return [
+        (lambda q, k, v: causal_product64(q, k, v, mask="strict"),
+         "each token's own contribution is missing: o_t must include k_t v_tᵀ, so update the state before "
+         "reading it (or keep the diagonal: s <= t)"),
+        (lambda q, k, v: causal_product64(q, k, v, mask="one_ahead"),
+         "the next token leaks in: o_t may use tokens up to t only (off by one in the causal mask)"),
+        (lambda q, k, v: causal_product64(q, k, v, mask="none"),
+         "every token sees the whole sequence: the causal mask is missing"),
+    ]
+
+
+def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20):
+    return [
+        Case({"BH": 2, "T": short_T, "D": 16, "E": 16}),
+        Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}),
+        Case({"BH": 1, "T": 1, "D": 8, "E": 8}),
+        Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}, transposed=True),
+        Case({"BH": 1, "T": long_T, "D": 16, "E": 16}, dtype=torch.float16),
+        Case({"BH": 2, "T": min(long_T, 48), "D": 16, "E": 16}, dtype=torch.bfloat16),
+    ]
+
+
+def _without_blank(exercise, **functions):
+    for name, function in functions.items():
+        where = blank_in(function)
+        if where:
+            return report(exercise, False, blank_message(exercise, name, where))
+    return None
+
+
+def _precheck(exercise, kernel, expected, **functions):
+    """The printed result when a blank is left or the kernel's arguments are not the spec's, else None."""
+    blank = _without_blank(exercise, kernel=kernel, **functions)
+    if blank is not None:
+        return blank
+    try:
+        require_arguments(kernel, expected, exercise)
+    except Failure as failure:
+        return report(exercise, False, f"✗ {exercise}: {failure}")
+    return None
+
+
+def _refusal(where, error_or_message) -> str:
+    """A GPU compiler's refusal in plain words, with the fix when it is about tl.dot's sizes."""
+    message = error_or_message if isinstance(error_or_message, str) else launch_error(error_or_message)
+    hint = (" tl.dot needs every dimension of its blocks to be at least 16: pad the blocks and mask the loads."
+            if ">= 16" in message else "")
+    return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
+
+
+def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes):
+    """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
+    refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not."""
+    for constexprs in constexpr_sets:
+        for dtype in pointer_dtypes:
+            signature = {name: ("constexpr" if name in constexprs else
+                                f"*{dtype_name(dtype)}" if name.endswith("_ptr") else "i32")
+                         for name in arg_names}
+            for target in COMPILE_TARGETS:
+                result = compile_for_target(kernel, signature, constexprs, target=target)
+                if not result.ok:
+                    blocks = ", ".join(f"{k}={v}" for k, v in constexprs.items())
+                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)}", result.message))
+
+
+# --------------------------------------------------------------------------- 1. feature map
+
+FEATURE_MAP_ARGS = ["x_ptr", "out_ptr", "T", "D", "stride_xt", "stride_xd", "stride_ot", "stride_od",
+                    "BLOCK_T", "BLOCK_D"]
+FEATURE_MAP_BLOCK_T = 16
+
+
+def check_feature_map(kernel) -> CheckResult:
+    """Exercise 1: ``out = elu(x) + 1`` for x (T, D), one program per block of BLOCK_T rows."""
+    exercise = "feature map"
+    early = _precheck(exercise, kernel, FEATURE_MAP_ARGS)
+    if early is not None:
+        return early
+
+    def run_case(case, passed):
+        T, D = case.sizes["T"], case.sizes["D"]
+        x = torch.randn(T, D, dtype=torch.float64).to(case.dtype).to(_device.DEVICE)
+        x_in = guarded_copy(x, transposed=case.transposed)
+        out, allocation = _guarded_output((T, D), case.dtype, case.transposed)
+        grid = (triton.cdiv(T, FEATURE_MAP_BLOCK_T),)
+        kernel[grid](x_in, out, T, D, *_stride_args(x_in, out),
+                     BLOCK_T=FEATURE_MAP_BLOCK_T, BLOCK_D=next_power_of_2(D))
+        ref = feature_map64(x.double().cpu())
+        error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
+                             block=FEATURE_MAP_BLOCK_T)
+        if error <= TOLERANCES[case.dtype]:
+            return
+        if case.transposed and any(not c.transposed for c in passed):
+            raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): use the "
+                          f"stride arguments (stride_xt, stride_xd, ...) for every address.")
+        if torch.allclose(out.double().cpu(), torch.nn.functional.elu(x.double().cpu()),
+                          rtol=2 * TOLERANCES[case.dtype], atol=1e-6):
+            raise Failure(f"this is elu(x); the feature map is elu(x) + 1, positive everywhere ({case.describe()}).")
+        raise Failure(f"wrong values: relative error {error:.2e}, tolerance {TOLERANCES[case.dtype]:.0e} "
+                      f"({case.describe()}).")
+
+    cases = [Case({"T": 32, "D": 16}), Case({"T": 37, "D": 16}), Case({"T": 1, "D": 5}),
+             Case({"T": 50, "D": 24}), Case({"T": 37, "D": 16}, transposed=True),
+             Case({"T": 37, "D": 16}, dtype=torch.float16), Case({"T": 37, "D": 16}, dtype=torch.bfloat16)]
+    return _run_cases(exercise, cases, run_case)
+
+
+# --------------------------------------------------------------------------- 2. recurrent
+
+QKVO_STRIDES = _strides_names("q", "k", "v", "o", dims=["htd", "htd", "hte", "hte"])
+RECURRENT_ARGS = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "T", "D", "E", *QKVO_STRIDES, "BLOCK_D", "BLOCK_E"]
+
+
+def _launch_per_sequence(kernel, extra_constexprs=None):
+    def launch(inputs, out, case):
+        s = case.sizes
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        constexprs = {"BLOCK_D": next_power_of_2(s["D"]), "BLOCK_E": next_power_of_2(s["E"])}
+        constexprs.update(extra_constexprs(case) if extra_constexprs else {})
+        kernel[(s["BH"],)](q, k, v, out, s["T"], s["D"], s["E"], *_stride_args(q, k, v, out), **constexprs)
+    return launch
+
+
+def check_recurrent(kernel) -> CheckResult:
+    """Exercise 2: the per-token recurrent kernel, one program per sequence of (BH, T, D) inputs."""
+    exercise = "recurrent"
+    early = _precheck(exercise, kernel, RECURRENT_ARGS)
+    if early is not None:
+        return early
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
+                   out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
+                   launch=_launch_per_sequence(kernel), uses_dot=False)
+    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13),
+                      lambda case, passed: _check_sequence_case(case, passed, **options))
+
+
+# --------------------------------------------------------------------------- 3. small blocks
+
+ONE_CHUNK_ARGS = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "T", "D", "E", *QKVO_STRIDES,
+                  "BLOCK_T", "BLOCK_D", "BLOCK_E"]
+ONE_CHUNK_MAX = 16
+
+
+def check_small_dot(kernel, block_sizes) -> CheckResult:
+    """Exercise 3: one chunk of at most 16 tokens as ((Q Kᵀ) ⊙ M) V with tl.dot, on blocks chosen by
+    ``block_sizes(T, D, E) -> (BLOCK_T, BLOCK_D, BLOCK_E)``; right values in the interpreter and a
+    kernel the GPU compiler accepts for sm_80 and sm_90."""
+    exercise = "small tl.dot blocks"
+    early = _precheck(exercise, kernel, ONE_CHUNK_ARGS, block_sizes=block_sizes)
+    if early is not None:
+        return early
+    chosen = {}
+
+    def blocks(case):
+        s = case.sizes
+        sizes = tuple(block_sizes(s["T"], s["D"], s["E"]))
+        for name, size, n in zip(("BLOCK_T", "BLOCK_D", "BLOCK_E"), sizes, (s["T"], s["D"], s["E"])):
+            if size < n or size & (size - 1):
+                raise Failure(f"block_sizes({s['T']}, {s['D']}, {s['E']}) gives {name}={size}: a block must be a "
+                              f"power of two covering {n}.")
+        chosen[sizes] = dict(zip(("BLOCK_T", "BLOCK_D", "BLOCK_E"), sizes))
+        return chosen[sizes]
+
+    bf16_ok = interpreter_bf16_dot_ok()
+    cases = [c for c in _sequence_cases(short_T=8, tail_T=5, long_T=16, small_D=4, small_E=12)
+             if bf16_ok or c.dtype != torch.bfloat16]
+    cases[0] = Case({"BH": 2, "T": 8, "D": 8, "E": 8})
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
+                   out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
+                   launch=_launch_per_sequence(kernel, blocks), uses_dot=True)
+
+    def run_case(case, passed):
+        _check_sequence_case(case, passed, **options)
+        if case is cases[-1]:
+            _compile_failure(kernel, ONE_CHUNK_ARGS, list(chosen.values()), (torch.float16, torch.float32))
+
+    return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
+
+
+def _compile_note(bf16_ok):
+    note = "; compiles for " + " and ".join(COMPILE_TARGETS)
+    return note if bf16_ok else note + ";" + BF16_DOT_NOTE
+
+
+# --------------------------------------------------------------------------- 4. chunked
+
+CHUNKED_ARGS = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "T", "D", "E", *QKVO_STRIDES,
+                "CHUNK", "BLOCK_D", "BLOCK_E"]
+CHUNK = 16
+
+
+def _chunk_blocks(case):
+    return {"CHUNK": CHUNK, "BLOCK_D": max(16, next_power_of_2(case.sizes["D"])),
+            "BLOCK_E": max(16, next_power_of_2(case.sizes["E"]))}
+
+
+def check_chunked(kernel) -> CheckResult:
+    """Exercise 4: chunks of 16 tokens, intra-chunk scores with the causal mask and the state
+    carried across chunks; one program per sequence."""
+    exercise = "chunked"
+    early = _precheck(exercise, kernel, CHUNKED_ARGS)
+    if early is not None:
+        return early
+    bf16_ok = interpreter_bf16_dot_ok()
+    cases = [c for c in _sequence_cases(short_T=32, tail_T=37) if bf16_ok or c.dtype != torch.bfloat16]
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=CHUNK,
+                   out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
+                   launch=_launch_per_sequence(kernel, _chunk_blocks), uses_dot=True)
+
+    def run_case(case, passed):
+        _check_sequence_case(case, passed, **options)
+        if case is cases[-1]:
+            _compile_failure(kernel, CHUNKED_ARGS, [_chunk_blocks(cases[0])], (torch.float16,))
+
+    return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
+
+
+# --------------------------------------------------------------------------- 5. scan step
+
+SCAN_ARGS = ["states_ptr", "out_ptr", "S", "E", *_strides_names("s", "o", dims=["hsde", "hsde"]),
+             "BLOCK_S", "BLOCK_E"]
+
+
+def check_scan(kernel) -> CheckResult:
+    """Exercise 5: the state entering each segment, an exclusive prefix sum over segments of
+    states (BH, S, D, E) float32; one program per (sequence, row d of the state)."""
+    exercise = "scan step"
+    early = _precheck(exercise, kernel, SCAN_ARGS)
+    if early is not None:
+        return early
+    variants = [(lambda states: torch.cumsum(states, dim=1),
+                 "each segment's own state is included (an inclusive scan): the state entering segment s is "
+                 "the sum of segments 0..s-1 only; subtract the segment's own state, or shift by one"),
+                (lambda states: torch.cumsum(states, dim=3) - states,
+                 "the sums run along E, not along the segments: scan over axis 0 of the [BLOCK_S, BLOCK_E] block")]
+
+    def make_inputs(case):
+        s = case.sizes
+        return {"states": torch.randn(s["BH"], s["S"], s["D"], s["E"], dtype=torch.float64)
+                .float().to(_device.DEVICE)}
+
+    def launch(inputs, out, case):
+        s = case.sizes
+        states = inputs["states"]
+        kernel[(s["BH"], s["D"])](states, out, s["S"], s["E"], *_stride_args(states, out),
+                                  BLOCK_S=next_power_of_2(s["S"]), BLOCK_E=next_power_of_2(s["E"]))
+
+    options = dict(make_inputs=make_inputs, spec=exclusive_scan64, variants=variants, row_block=None,
+                   out_shape=lambda c: (c.sizes["BH"], c.sizes["S"], c.sizes["D"], c.sizes["E"]),
+                   launch=launch, uses_dot=False)
+    cases = [Case({"BH": 2, "S": 8, "D": 4, "E": 16}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}),
+             Case({"BH": 1, "S": 1, "D": 2, "E": 8}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}, transposed=True)]
+    return _run_cases(exercise, cases, lambda case, passed: _check_sequence_case(case, passed, **options))
+
+
+# --------------------------------------------------------------------------- 6. backward: dQ
+
+DQ_ARGS = ["do_ptr", "k_ptr", "v_ptr", "dq_ptr", "T", "D", "E",
+           *_strides_names("do", "k", "v", "dq", dims=["hte", "htd", "hte", "htd"]), "BLOCK_D", "BLOCK_E"]
+
+
+def check_dq(kernel) -> CheckResult:
+    """Exercise 6: dQ of the causal product for an upstream gradient dO, one program per sequence."""
+    exercise = "backward dQ"
+    early = _precheck(exercise, kernel, DQ_ARGS)
+    if early is not None:
+        return early
+
+    def make_inputs(case):
+        s = case.sizes
+        do, _, _ = random_inputs(1, s["BH"], s["T"], s["E"], dtype=case.dtype)
+        _, key, value = random_inputs(1, s["BH"], s["T"], s["D"], s["E"], dtype=case.dtype)
+        return {"do": do[0], "k": key[0], "v": value[0]}
+
+    def launch(inputs, out, case):
+        s = case.sizes
+        do, k, v = inputs["do"], inputs["k"], inputs["v"]
+        kernel[(s["BH"],)](do, k, v, out, s["T"], s["D"], s["E"], *_stride_args(do, k, v, out),
+                           BLOCK_D=next_power_of_2(s["D"]), BLOCK_E=next_power_of_2(s["E"]))
+
+    variants = [(lambda do, k, v: dq64(do, k, v, mask="strict"),
+                 "token t's own term (do_t . v_t) k_t is missing: add k_t and v_t to the state before using it"),
+                (lambda do, k, v: dq64(do, k, v, mask="reverse"),
+                 "this sums the tokens after t (the dK and dV recurrence, which walks backwards): dq_t sums "
+                 "s <= t, walking forwards like the forward pass"),
+                (lambda do, k, v: dq64(do, k, v, mask="none"),
+                 "every token sees the whole sequence: the causal mask is missing")]
+    options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
+                   out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
+                   launch=launch, uses_dot=False)
+    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13),
+                      lambda case, passed: _check_sequence_case(case, passed, **options))
+
