@@ -70,22 +70,33 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
             outputs.append(final_state)
             grads.append(grad_final_state)
         found = torch.autograd.grad(outputs, inputs, grads)
-    dq, dk, dv = (g.contiguous() for g in found[:3])
+    dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
     if initial_state is None:  # nothing to differentiate; the schema still returns a tensor
         ds0 = q.new_zeros((B, H, D, E), dtype=torch.float32)
     else:
-        ds0 = found[3].float().contiguous()
+        ds0 = _laid_out_like(found[3].float(), initial_state.float())
     return dq, dk, dv, ds0
+
+
+def _laid_out_like(grad, x):
+    """``grad`` with the strides of ``empty_like(x)``, as the fake implementation promises.
+
+    Gradients laid out as their inputs keep the backward graph's later operators on the layout
+    the compiler expects: with the kernels' contiguous gradients of transposed inputs (a layer's
+    heads are views), ``elu_backward``'s fake strides disagree with its real ones (PyTorch 2.13)
+    and a traced view fails. The copy costs only inputs that are not contiguous.
+    """
+    like = torch.empty_like(x)
+    return grad if grad.stride() == like.stride() else like.copy_(grad)
 
 
 @_causal_product_backward_op.register_fake
 def _(q, k, v, initial_state, grad_o, grad_final_state, method):
     B, H, _, D = q.shape
     E = v.shape[-1]
-    contiguous = torch.contiguous_format
-    return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
-            torch.empty_like(v, memory_format=contiguous),
-            q.new_empty((B, H, D, E), dtype=torch.float32))
+    ds0 = (q.new_empty((B, H, D, E), dtype=torch.float32) if initial_state is None
+           else torch.empty_like(initial_state, dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds0
 
 
 def _setup_context(ctx, inputs, output):
