@@ -98,7 +98,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if v.dim() != 4:
         raise ValueError(f"v must have 4 dimensions (B, H, T, E), got shape {tuple(v.shape)}")
-    if normalize and initial_state is not None and initial_state.shape[-1:] != (v.shape[-1] + 1,):
+    if normalize and isinstance(initial_state, torch.Tensor) and initial_state.shape[-1:] != (v.shape[-1] + 1,):
         raise ValueError(
             f"initial_state of a normalised attention is (B, H, D, E + 1) with z as its last column "
             f"(E + 1 = {v.shape[-1] + 1}); got shape {tuple(initial_state.shape)}")
