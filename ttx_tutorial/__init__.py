@@ -8,6 +8,7 @@ before any Triton kernel is defined and without touching the GPU driver.
 from ._device import DEVICE, INTERPRETED  # first: sets TRITON_INTERPRET before any @triton.jit
 from . import compiler  # before any kernel runs: it snapshots triton.language for GPU compiles
 from .api import MAX_HEAD_DIM, METHODS, causal_product, choose_method, method_info
+from .attention import FEATURE_MAPS, CausalLinearAttention, causal_linear_attention, linear_attention_step
 from .notebook import banner, describe, on_gpu, size
 
 __version__ = "0.1.0"
@@ -18,14 +19,18 @@ COMPATIBILITY = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.9")}
 
 __all__ = [
     "COMPATIBILITY",
+    "CausalLinearAttention",
     "DEVICE",
+    "FEATURE_MAPS",
     "INTERPRETED",
     "MAX_HEAD_DIM",
     "METHODS",
     "banner",
+    "causal_linear_attention",
     "causal_product",
     "choose_method",
     "describe",
+    "linear_attention_step",
     "method_info",
     "on_gpu",
     "size",

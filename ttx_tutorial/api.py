@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _device
+from . import _device, ops
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, REFERENCE_DTYPES, check_inputs
 
 
@@ -138,7 +138,8 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT)
-        info = method_info(choose_method(q, v))
+        # Under torch.compile the operator chooses at run time: the device query would break the graph.
+        info = method_info("chunked" if torch.compiler.is_compiling() else choose_method(q, v))
     else:
         info = method_info(method)
         expected_device = _device.DEVICE.type if info.is_triton else None
@@ -147,6 +148,12 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
                      index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None)
     if initial_state is not None and q.dtype != torch.float64:
         initial_state = initial_state.float()
+    cast = ops.autocast_dtype(q)
+    if cast is not None:  # as PyTorch's attention does under autocast
+        q, k, v = q.to(cast), k.to(cast), v.to(cast)
+    if torch.compiler.is_compiling() and info.is_triton:  # one graph node, see ttx_tutorial.ops
+        o, final_state = ops.causal_product_op(q, k, v, initial_state, method)
+        return (o, final_state) if return_state else o
     implementation = info.load()
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one

@@ -1,0 +1,230 @@
+"""Time normalised causal linear attention, its compiled form and one generation step.
+
+    python benchmarks/layer_check.py results.json                 # GPU: the figures below
+    python benchmarks/layer_check.py results.json --rounds 1      # CPU mode: tiny sizes, to try it
+
+Rows (bfloat16; (B, H, T, D = E) = (8, 16, 4096, 64) on a GPU, (1, 2, 64, 16) in CPU mode):
+  plain            causal_product(q, k, v), forward and forward+backward
+  normalised       causal_linear_attention(q, k, v): elu + 1 features, the normaliser as a ones
+                   column of v; and with feature_map="identity" on features mapped beforehand
+                   (what fla's kernels take)
+  fla_fused_chunk  fla's fused_chunk_linear_attn(normalize=True) on the same mapped features,
+                   (B, T, H, D) layout made outside the timings; skipped when fla is missing
+  compiled_*       torch.compile(mode="reduce-overhead", fullgraph=True) of plain and normalised:
+                   the time of a call against the GPU's busy time in it (torch.profiler)
+  step             linear_attention_step at (B, H, D, E) = (8, 16, 64, 64) ((2, 2, 16, 16) in CPU
+                   mode): an eager call, and a CUDA-graph replay
+Each row: "ms" (median of triton.testing.do_bench of one call, host included; the median wall
+time in CPU mode) and, on a GPU, "gpu_ms" (the same call replayed from a CUDA graph, or for the
+compiled rows the kernels' busy time). Ours and fla alternate for --rounds rounds (the host's
+speed drifts within a run); the median round is kept. "ratios" compares the rows the targets
+name. The JSON also records the date, GPU, versions and this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial.benchmark import time_ms  # noqa: E402
+from ttx_tutorial.testing import random_inputs, relative_error  # noqa: E402
+
+ON_GPU = ttx_tutorial.on_gpu()
+
+
+def graph_ms(fn, leaves=()):
+    """Median ms of fn replayed from a CUDA graph: the GPU's time alone. ``leaves`` start the
+    capture without .grad, so the replay writes fresh gradients instead of adding to old ones."""
+    if not ON_GPU:
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
+def busy_ms(fn, calls=20):
+    """Milliseconds per call that GPU kernels ran (torch.profiler), host gaps excluded."""
+    if not ON_GPU:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / calls / 1e3
+
+
+def call_ms(fn, leaves=()):
+    if ON_GPU:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(leaves),
+                                             return_mode="median"))
+    return time_ms(fn, cpu_repeats=3)
+
+
+def forward_and_backward(fn, inputs):
+    """fn's forward on ``inputs``, and forward+backward on leaf copies of them."""
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    grad_out = torch.randn_like(fn(*inputs))
+
+    def step():
+        fn(*leaves).backward(grad_out)
+
+    return (lambda: fn(*inputs)), step, leaves
+
+
+def load_fla():
+    try:
+        from fla.ops.linear_attn import fused_chunk_linear_attn
+    except Exception as exc:  # fla is optional: record why it is missing
+        return None, repr(exc)
+    import fla
+
+    return fused_chunk_linear_attn, getattr(fla, "__version__", "unknown")
+
+
+def phi(x):
+    return torch.nn.functional.elu(x) + 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="JSON file to write")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median kept)")
+    args = parser.parse_args()
+
+    B, H, T, D = ttx_tutorial.size(cpu=(1, 2, 64, 16), gpu=(8, 16, 4096, 64))
+    step_shape = ttx_tutorial.size(cpu=(2, 2, 16), gpu=(8, 16, 64))
+    dtype = torch.bfloat16
+    q, k, v = random_inputs(B, H, T, D, dtype=dtype, seed=0)
+    mapped_q, mapped_k = phi(q), phi(k)
+    fla_fn, fla_version = load_fla()
+
+    def plain(q, k, v):
+        return ttx_tutorial.causal_product(q, k, v)
+
+    def normalised(q, k, v):
+        return ttx_tutorial.causal_linear_attention(q, k, v)
+
+    def normalised_mapped(q, k, v):
+        return ttx_tutorial.causal_linear_attention(q, k, v, feature_map="identity")
+
+    candidates = {"plain": (plain, (q, k, v)), "normalised": (normalised, (q, k, v)),
+                  "normalised_mapped": (normalised_mapped, (mapped_q, mapped_k, v))}
+    if fla_fn is not None:
+        def fla_normalised(q, k, v):
+            return fla_fn(q, k, v, scale=1.0, normalize=True)[0]
+
+        to_fla = [x.transpose(1, 2).contiguous() for x in (mapped_q, mapped_k, v)]
+        candidates["fla_fused_chunk"] = (fla_normalised, tuple(to_fla))
+    if ON_GPU:  # the CPU interpreter cannot run under CUDA graphs; compiling there takes minutes
+        compiled_plain = torch.compile(plain, mode="reduce-overhead", fullgraph=True)
+        compiled_normalised = torch.compile(normalised, mode="reduce-overhead", fullgraph=True)
+        candidates["compiled_plain"] = (compiled_plain, (q, k, v))
+        candidates["compiled_normalised"] = (compiled_normalised, (q, k, v))
+
+    errors = {}
+    expected = ttx_tutorial.causal_linear_attention(q[:1, :2].double().cpu(), k[:1, :2].double().cpu(),
+                                                    v[:1, :2].double().cpu(), method="quadratic")
+    errors["normalised"] = relative_error(normalised(q, k, v)[:1, :2], expected)
+    errors["normalised_mapped"] = relative_error(normalised_mapped(mapped_q, mapped_k, v)[:1, :2], expected)
+    if fla_fn is not None:
+        fla_out = candidates["fla_fused_chunk"][0](*candidates["fla_fused_chunk"][1]).transpose(1, 2)
+        errors["fla_fused_chunk"] = relative_error(fla_out[:1, :2], expected)
+
+    timings = {}
+    for _ in range(args.rounds):
+        for name, (fn, inputs) in candidates.items():
+            forward, step, leaves = forward_and_backward(fn, inputs)
+            compiled = name.startswith("compiled")
+            for mode, call, call_leaves in (("fwd", forward, ()), ("fwd+bwd", step, leaves)):
+                ms = call_ms(call, call_leaves)
+                if compiled:
+                    gpu = busy_ms(call)
+                else:
+                    gpu = graph_ms(call, call_leaves)
+                timings.setdefault((name, mode), []).append((ms, gpu))
+
+    rows = []
+    for (name, mode), samples in timings.items():
+        ms = statistics.median(s[0] for s in samples)
+        gpus = [s[1] for s in samples if s[1] is not None]
+        rows.append({"name": name, "mode": mode, "shape": [B, H, T, D, D], "dtype": "bf16",
+                     "ms": round(ms, 5), "rounds_ms": [round(s[0], 5) for s in samples],
+                     "gpu_ms": round(statistics.median(gpus), 5) if gpus else None,
+                     "rel_err": errors.get(name)})
+
+    # One generation step: (B, H, D) queries and keys, (B, H, E) values, state (B, H, D, E + 1).
+    sb, sh, sd = step_shape
+    sq, sk, sv = (x[:, :, 0] for x in random_inputs(sb, sh, 1, sd, dtype=dtype, seed=1))
+    state = torch.zeros(sb, sh, sd, sd + 1, dtype=torch.float32, device=ttx_tutorial.DEVICE)
+
+    def one_step():
+        ttx_tutorial.linear_attention_step(sq, sk, sv, state)
+
+    rows.append({"name": "step", "mode": "fwd", "shape": [sb, sh, 1, sd, sd], "dtype": "bf16",
+                 "ms": round(call_ms(one_step), 5), "gpu_ms": graph_ms(one_step), "rel_err": None})
+
+    by_name = {(r["name"], r["mode"]): r for r in rows}
+
+    def ratio(a, b, key):
+        x, y = by_name.get(a), by_name.get(b)
+        if x is None or y is None or x[key] is None or y[key] is None:
+            return None
+        return round(x[key] / y[key], 3)
+
+    ratios = {
+        "normalised / plain, fwd+bwd, GPU time (target <= 1.2)":
+            ratio(("normalised", "fwd+bwd"), ("plain", "fwd+bwd"), "gpu_ms"),
+        "normalised / plain, fwd+bwd, per call": ratio(("normalised", "fwd+bwd"), ("plain", "fwd+bwd"), "ms"),
+        "fla fused_chunk / normalised, fwd, per call (target >= 3)":
+            ratio(("fla_fused_chunk", "fwd"), ("normalised", "fwd"), "ms"),
+        "fla fused_chunk / normalised, fwd+bwd, per call (target >= 3)":
+            ratio(("fla_fused_chunk", "fwd+bwd"), ("normalised", "fwd+bwd"), "ms"),
+        "compiled plain / plain, fwd+bwd, GPU time": ratio(("compiled_plain", "fwd+bwd"), ("plain", "fwd+bwd"), "gpu_ms"),
+    }
+    for name in ("compiled_plain", "compiled_normalised"):
+        row = by_name.get((name, "fwd+bwd"))
+        ratios[f"{name} fwd+bwd, call / GPU busy (target <= 1.3)"] = (
+            round(row["ms"] / row["gpu_ms"], 3) if row and row["gpu_ms"] else None)
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if ON_GPU else f"CPU interpreter ({platform.machine()})",
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "fla": fla_version if fla_fn is not None else None, "fla_missing": None if fla_fn else fla_version,
+           "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "mode": ttx_tutorial.describe()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"env": env, "rows": rows, "ratios": ratios}, indent=1))
+    for row in rows:
+        gpu = "" if row["gpu_ms"] is None else f"  (GPU {row['gpu_ms']:.4f})"
+        err = "" if row["rel_err"] is None else f"  err {row['rel_err']:.1e}"
+        print(f"{row['name']:22s} {row['mode']:8s} {row['ms']:9.4f} ms{gpu}{err}")
+    for key, value in ratios.items():
+        print(f"{key}: {value}")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

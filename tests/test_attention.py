@@ -1,0 +1,318 @@
+"""Normalised causal linear attention, the layer and token-by-token generation.
+
+Every check compares against a float64 reference written independently of the ones-column
+trick: the masked weights A = tril(phi(Q) phi(K)^T), out = A V / (A 1 + eps).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ttx_tutorial
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference, relative_error
+
+TRITON_METHODS = ("recurrent", "chunked", "scan")
+NORMALISED_BF16_DQ_TOLERANCE = 5e-2
+ALL_METHODS = ttx_tutorial.METHODS + ("auto",)
+
+
+def softplus(x):
+    return F.softplus(x)
+
+
+#: (feature map as passed, its float64 version for the reference, normalise?)
+FEATURE_MAPS = {
+    "elu": ("elu", lambda x: F.elu(x) + 1, True),
+    "relu": ("relu", F.relu, True),
+    "identity": ("identity", lambda x: x, False),  # signed: a normalised identity divides by ~0
+    "callable": (softplus, F.softplus, True),
+}
+
+
+def float64(x):
+    return x.detach().to("cpu", torch.float64)
+
+
+def attention64(q, k, v, phi, normalize, eps, initial_state=None):
+    """(out, state) from float64 tensors: the quadratic form of the weights, then the normaliser.
+    The state is (S, z) as in causal_linear_attention: z is the last column when normalising."""
+    pq, pk = phi(q), phi(k)
+    weights = (pq @ pk.transpose(-1, -2)).tril()
+    numerator, denominator = weights @ v, weights.sum(-1, keepdim=True)
+    state = torch.cat([pk.transpose(-1, -2) @ v, pk.sum(2)[..., None]], dim=-1)
+    if initial_state is not None:
+        s0 = initial_state if normalize else torch.cat([initial_state, 0 * initial_state[..., :1]], -1)
+        numerator = numerator + pq @ s0[..., :-1]
+        denominator = denominator + pq @ s0[..., -1:]
+        state = state + s0
+    if not normalize:
+        return numerator, state[..., :-1]
+    return numerator / (denominator + eps), state
+
+
+def reference_attention(q, k, v, phi, normalize, eps, initial_state=None):
+    """float64 (out, state) on the CPU from tensors of any dtype and device."""
+    s0 = None if initial_state is None else float64(initial_state)
+    return attention64(float64(q), float64(k), float64(v), phi, normalize, eps, s0)
+
+
+def reference_gradients(q, k, v, phi, normalize, eps, grad_out):
+    leaves = [float64(x).requires_grad_() for x in (q, k, v)]
+    out, _ = attention64(*leaves, phi, normalize, eps)
+    return torch.autograd.grad(out, leaves, float64(grad_out))
+
+
+def check_against_reference(method, feature, dtype, *, B=1, H=2, T=37, D=16, E=8, eps=1e-6):
+    name, phi, normalize = FEATURE_MAPS[feature]
+    q, k, v = random_inputs(B, H, T, D, E, dtype=dtype, requires_grad=True)
+    with poisoned_allocations():
+        out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, normalize=normalize,
+                                                   eps=eps, method=method)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert out.dtype == dtype and out.shape == (B, H, T, E)
+    expected, _ = reference_attention(q, k, v, phi, normalize, eps)
+    assert_close(out, expected, dtype, f"{method}/{feature} output")
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, normalize, eps, grad_out)):
+        if label == "q" and normalize and dtype == torch.bfloat16:
+            # The output does not change when phi(q_t) is scaled, so dq is the difference of two
+            # nearly equal terms, and bfloat16's rounding of the output and of its gradient is
+            # amplified: PyTorch's own bfloat16 arithmetic of this formula errs by about 3e-2 too.
+            error = relative_error(leaf.grad, grad)
+            assert error <= NORMALISED_BF16_DQ_TOLERANCE, f"{method}/{feature} dq: {error:.3e}"
+        else:
+            assert_close(leaf.grad, grad, dtype, f"{method}/{feature} d{label}")
+
+
+@pytest.mark.parametrize("feature", FEATURE_MAPS)
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_and_feature_map_matches_float64(method, feature):
+    T = 21 if method == "recurrent" else 37  # the interpreter walks recurrent token by token
+    check_against_reference(method, feature, torch.float32, T=T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_16_bit_inputs_match_float64(method, dtype):
+    check_against_reference(method, "elu", dtype, T=21 if method == "recurrent" else 70)
+
+
+def test_positive_identity_map_normalises():
+    """The identity map with positive inputs: the denominator is the plain sum of the weights."""
+    q, k, v = random_inputs(1, 2, 30, 8, 5)
+    q, k = q.abs(), k.abs()
+    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map="identity", method="chunked")
+    expected, _ = reference_attention(q, k, v, lambda x: x, True, 1e-6)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("method", ["chunked", "scan", "quadratic"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_state_carries_the_normaliser(method, normalize):
+    """Split a sequence anywhere: the returned state continues it exactly."""
+    q, k, v = random_inputs(2, 2, 45, 16, 8)
+    whole, state = ttx_tutorial.causal_linear_attention(q, k, v, normalize=normalize, method=method,
+                                                        return_state=True)
+    expected, expected_state = reference_attention(q, k, v, lambda x: F.elu(x) + 1, normalize, 1e-6)
+    assert state.shape == (2, 2, 16, 9 if normalize else 8) and state.dtype == torch.float32
+    assert_close(state, expected_state, torch.float32, "final state")
+    first, middle = ttx_tutorial.causal_linear_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19],
+                                                         normalize=normalize, method=method,
+                                                         return_state=True)
+    rest = ttx_tutorial.causal_linear_attention(q[:, :, 19:], k[:, :, 19:], v[:, :, 19:],
+                                                normalize=normalize, method=method, initial_state=middle)
+    assert_close(torch.cat([first, rest], dim=2), expected, torch.float32, "continued output")
+    assert_close(whole, expected, torch.float32, "whole output")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the plain product, on purpose
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_sequence_stays_finite(dtype):
+    """Features of about 3 make phi(q).z pass float16's 65504 within 1024 tokens of 16 features:
+    the plain product of the same features overflows, the normalised attention does not."""
+    T, D = 1024, 16
+    q, k, v = random_inputs(1, 1, T, D, 8, dtype=torch.float64)
+    q, k = (2 + q).to(dtype), (2 + k).to(dtype)
+    v = v.to(dtype)
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    plain = ttx_tutorial.causal_product(phi(q), phi(k), torch.ones_like(v), method="chunked")
+    if dtype == torch.float16:
+        assert not torch.isfinite(plain).all(), "the check needs a denominator past float16's range"
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    assert torch.isfinite(out).all()
+    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
+    assert_close(out, expected, dtype)
+
+
+def test_autocast_takes_autocast_dtype():
+    q, k, v = random_inputs(1, 2, 33, 16, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    assert out.dtype == torch.bfloat16
+    expected, _ = reference_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lambda x: F.elu(x) + 1,
+                                      True, 1e-6)
+    assert_close(out, expected, torch.bfloat16)
+
+
+def test_eps_enters_the_denominator_only():
+    """relu features of an all-negative query: phi(q) = 0, the output is 0 / (0 + eps) = 0."""
+    q, k, v = random_inputs(1, 1, 12, 8, 4)
+    q[:, :, 5] = -q[:, :, 5].abs() - 0.1
+    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map="relu", eps=0.5, method="chunked")
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
+    expected, _ = reference_attention(q, k, v, F.relu, True, 0.5)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"feature_map": "gelu"}, ValueError, "feature_map must be one of"),
+    ({"feature_map": 3}, ValueError, "feature_map must be one of"),
+    ({"eps": -1.0}, ValueError, "eps must be finite and >= 0"),
+    ({"eps": float("nan")}, ValueError, "eps must be finite"),
+    ({"eps": "1e-6"}, TypeError, "eps must be a float"),
+    ({"normalize": 1}, TypeError, "normalize must be a bool"),
+    ({"initial_state": torch.zeros(1, 2, 16, 8)}, ValueError, r"\(B, H, D, E \+ 1\)"),
+    ({"method": "fast"}, ValueError, "unknown method"),
+])
+def test_bad_arguments_are_named(kwargs, error, words):
+    q, k, v = random_inputs(1, 2, 5, 16, 8)
+    with pytest.raises(error, match=words):
+        ttx_tutorial.causal_linear_attention(q, k, v, **kwargs)
+
+
+def test_bad_tensors_are_named():
+    q, k, v = random_inputs(1, 2, 5, 16, 8)
+    with pytest.raises(ValueError, match="v must have 4 dimensions"):
+        ttx_tutorial.causal_linear_attention(q, k, v[0])
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        ttx_tutorial.causal_linear_attention(q, k.tolist(), v)
+
+
+# The layer ---------------------------------------------------------------------------------
+
+def make_layer(method, dim=32, heads=2, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return ttx_tutorial.CausalLinearAttention(dim, heads, method=method).to(ttx_tutorial.DEVICE, dtype)
+
+
+def reference_layer(layer, x):
+    """The layer's forward in float64 with the reference attention."""
+    params = {name: p.detach().to("cpu", torch.float64) for name, p in layer.named_parameters()}
+    x = x.detach().to("cpu", torch.float64)
+
+    def project(name):
+        y = x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
+        return y.unflatten(-1, (layer.heads, layer.head_dim)).transpose(1, 2)
+
+    o, _ = reference_attention(project("q_proj"), project("k_proj"), project("v_proj"),
+                               lambda t: F.elu(t) + 1, True, layer.eps)
+    return o.transpose(1, 2).flatten(2) @ params["out_proj.weight"].T + params["out_proj.bias"]
+
+
+@pytest.mark.parametrize("method", ["chunked", "scan", "quadratic"])
+def test_layer_matches_float64_and_trains(method):
+    layer = make_layer(method)
+    x = torch.randn(2, 29, 32, device=ttx_tutorial.DEVICE)
+    y = layer(x)
+    assert y.shape == x.shape
+    assert_close(y, reference_layer(layer, x), torch.float32)
+    y.square().mean().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+# The chunked kernel takes 16-token chunks in float32, 64 in 16-bit: prompts that fill whole
+# chunks and prompts that end inside one.
+@pytest.mark.parametrize("method, prompt", [("chunked", 16), ("chunked", 32), ("chunked", 13),
+                                            ("chunked", 21), ("scan", 19), ("recurrent", 7)])
+def test_generation_equals_the_whole_sequence(method, prompt):
+    layer = make_layer(method)
+    x = torch.randn(2, prompt + 9, 32, device=ttx_tutorial.DEVICE)
+    with torch.no_grad():
+        whole = layer(x)
+        first, state = layer(x[:, :prompt], return_state=True)
+        steps = [layer.step(x[:, t], state) for t in range(prompt, x.shape[1])]
+    generated = torch.cat([first, torch.stack(steps, dim=1)], dim=1)
+    assert_close(generated, whole, torch.float32, "generated")
+    assert_close(generated, reference_layer(layer, x), torch.float32, "against float64")
+
+
+def test_generation_from_nothing_in_bfloat16():
+    layer = make_layer("chunked", dtype=torch.bfloat16)
+    x = torch.randn(2, 40, 32, device=ttx_tutorial.DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        state = layer.initial_state(2)
+        steps = torch.stack([layer.step(x[:, t], state) for t in range(40)], dim=1)
+        whole = layer(x)
+    assert steps.dtype == torch.bfloat16
+    expected = reference_layer(layer, x)
+    assert_close(steps, expected, torch.bfloat16, "steps")
+    assert_close(whole, expected, torch.bfloat16, "whole")
+
+
+def test_step_memory_does_not_grow():
+    layer = make_layer("chunked")
+    state = layer.initial_state(3)
+    pointer, size = state.data_ptr(), state.numel()
+    with torch.no_grad():
+        for _ in range(5):
+            layer.step(torch.randn(3, 32, device=ttx_tutorial.DEVICE), state)
+    assert state.data_ptr() == pointer and state.numel() == size == 3 * 2 * 16 * 17
+
+
+def test_layer_errors():
+    with pytest.raises(ValueError, match=r"dim \(30\) must be divisible by heads \(4\)"):
+        ttx_tutorial.CausalLinearAttention(30, 4)
+    with pytest.raises(ValueError, match="heads must be a positive int"):
+        ttx_tutorial.CausalLinearAttention(32, 0)
+    with pytest.raises(ValueError, match="feature_map must be one of"):
+        ttx_tutorial.CausalLinearAttention(32, 2, feature_map="tanh")
+    layer = make_layer("chunked")
+    with pytest.raises(ValueError, match=r"x must have 3 dimensions \(batch, seq, dim\)"):
+        layer(torch.randn(5, 32))
+    with pytest.raises(ValueError, match="x must have 2 dimensions"):
+        layer.step(torch.randn(2, 1, 32), layer.initial_state(2))
+    with pytest.raises(ValueError, match=r"state must be float32 of shape \(2, 2, 16, 17\)"):
+        layer.step(torch.randn(2, 32), torch.zeros(2, 2, 16, 16))
+
+
+# On the GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", TRITON_METHODS + ("auto",))
+def test_gpu_65536_tokens_stay_finite(method, dtype):
+    q, k, v = random_inputs(1, 4, 65536, 64, 64, dtype=dtype, requires_grad=True)
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method=method)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all()
+    for leaf in (q, k, v):
+        assert torch.isfinite(leaf.grad).all()
+    # The quadratic reference would need T x T weights: the float64 product chunk by chunk
+    # (testing.reference) of the features with a ones column, on the first head.
+    phi_q, phi_k = (F.elu(x[:, :1].detach().double()) + 1 for x in (q, k))
+    values = v[:, :1].detach().double()
+    product, _ = reference(phi_q, phi_k, torch.cat([values, torch.ones_like(values[..., :1])], dim=-1))
+    expected = product[..., :-1] / (product[..., -1:] + 1e-6)
+    assert_close(out[:, :1], expected, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_step_replays_from_a_cuda_graph():
+    layer = make_layer("auto", dim=1024, heads=16, dtype=torch.bfloat16)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    state = layer.initial_state(8)
+    eager_state = state.clone()
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
+            layer.step(x, state.clone())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the step; runs nothing
+            y = layer.step(x, state)
+        for _ in range(3):  # each replay advances the captured state by one token
+            graph.replay()
+            assert_close(y, layer.step(x, eager_state), torch.bfloat16, "replayed output")
+            assert_close(state, eager_state, torch.float32, "replayed state")

@@ -1,0 +1,214 @@
+"""Causal linear attention as models use it: feature map, normaliser, projections, generation.
+
+"Transformers are RNNs" (Katharopoulos et al., 2020) replace softmax(q.k) by phi(q).phi(k) for a
+positive feature map phi, and normalise by the sum of the weights:
+
+    out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)
+    S_t = sum_{j<=t} phi(k_j) v_j^T      (D x E)        z_t = sum_{j<=t} phi(k_j)      (D)
+
+eps enters once, added to the denominator phi(q_t)^T z_t after that has been computed, and
+nowhere else: it only keeps a zero denominator (relu features of a query with no positive
+entry) from dividing by zero.
+
+The normaliser costs no pass of its own: a column of ones appended to v makes the causal
+product carry z_t as the last column of its float32 state, and its last output column is
+phi(q_t)^T z_t. Every Triton method thus accumulates numerator and denominator in one pass,
+forward and backward. The state of the normalised attention is that augmented state,
+(B, H, D, E + 1) float32: S in the first E columns, z in the last.
+
+float16 inputs run the product in float32: phi(q_t)^T z_t grows like t (about D * t for the
+default feature map), past float16's largest value 65504 for long sequences, and the product's
+output has the input dtype. bfloat16 shares float32's range and needs no such care.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .api import AUTO, causal_product
+
+
+def _elu_plus_one(x):
+    return F.elu(x) + 1
+
+
+def _identity(x):
+    return x
+
+
+#: Named feature maps: "elu" (elu(x) + 1, the paper's, always positive), "relu" (non-negative,
+#: zero for a whole query can leave only eps in the denominator), "identity" (signed: a
+#: normalised identity map can divide by a denominator near zero; meant for normalize=False).
+FEATURE_MAPS = {"elu": _elu_plus_one, "relu": F.relu, "identity": _identity}
+
+
+def feature_map_function(feature_map):
+    """The callable for a name of :data:`FEATURE_MAPS`, or ``feature_map`` itself if callable."""
+    if callable(feature_map):
+        return feature_map
+    if isinstance(feature_map, str) and feature_map in FEATURE_MAPS:
+        return FEATURE_MAPS[feature_map]
+    raise ValueError(f"feature_map must be one of {tuple(FEATURE_MAPS)} or a callable, got {feature_map!r}")
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def _compute_dtype(dtype, normalize):
+    """The dtype the product runs in: float32 for normalised float16 (module docstring)."""
+    return torch.float32 if normalize and dtype == torch.float16 else dtype
+
+
+def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1e-6, method=AUTO,
+                            initial_state=None, return_state=False):
+    """Causal linear attention: out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps).
+
+    Args:
+        q, k: (B, H, T, D); v: (B, H, T, E); one dtype, one device (as ``causal_product``).
+        feature_map: "elu" (elu + 1, the default), "relu", "identity", or a callable applied
+            to q and k elementwise (it must keep their shape).
+        normalize: divide by phi(q_t)^T z_t + eps (the default); False returns the plain
+            causal product of phi(q), phi(k) and v, and eps is unused.
+        eps: added to the denominator, >= 0 (see the module docstring).
+        method: any method of :data:`ttx_tutorial.METHODS`, or "auto".
+        initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
+            normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
+        return_state: also return the state after the last token, in the same layout.
+
+    Returns:
+        out (B, H, T, E) in the dtype of the inputs (autocast's dtype under autocast), or
+        ``(out, state)`` with ``return_state``.
+    """
+    feature = feature_map_function(feature_map)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    _check_eps(eps)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if v.dim() != 4:
+        raise ValueError(f"v must have 4 dimensions (B, H, T, E), got shape {tuple(v.shape)}")
+    if normalize and isinstance(initial_state, torch.Tensor) and initial_state.shape[-1:] != (v.shape[-1] + 1,):
+        raise ValueError(
+            f"initial_state of a normalised attention is (B, H, D, E + 1) with z as its last column "
+            f"(E + 1 = {v.shape[-1] + 1}); got shape {tuple(initial_state.shape)}")
+
+    cast = ops.autocast_dtype(q)
+    out_dtype = q.dtype if cast is None else cast
+    compute_dtype = _compute_dtype(out_dtype, normalize)
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    # Off for the product: it would cast float32 back to autocast's float16 (module docstring).
+    no_autocast = torch.autocast(q.device.type, enabled=False) if cast is not None else contextlib.nullcontext()
+    with no_autocast:
+        phi_q, phi_k = feature(q), feature(k)
+        if normalize:
+            ones = v.new_ones((*v.shape[:-1], 1))
+            v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
+        o, state = causal_product(phi_q, phi_k, v, method, initial_state=initial_state, return_state=True)
+        if normalize:
+            o = o[..., :-1] / (o[..., -1:] + eps)
+    out = o.to(out_dtype)
+    return (out, state) if return_state else out
+
+
+def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
+    """One token of causal linear attention, O(1) in the sequence length; updates ``state`` in place.
+
+    q, k: (B, H, D); v: (B, H, E); state: (B, H, D, E + 1) float32 when normalising ((S, z), as
+    :func:`causal_linear_attention` returns it), (B, H, D, E) otherwise. Adds phi(k) [v, 1]^T to
+    the state, then returns phi(q)^T S / (phi(q)^T z + eps) as (B, H, E) in the dtype of q. No
+    host synchronisation and a fixed memory footprint: a CUDA graph can capture it.
+    """
+    feature = feature_map_function(feature_map)
+    phi_q, phi_k = feature(q).float(), feature(k).float()
+    v = v.float()
+    if normalize:
+        S, z = state[..., :-1], state[..., -1]
+        S.add_(phi_k.unsqueeze(-1) * v.unsqueeze(-2))
+        z.add_(phi_k)
+        numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
+        out = numerator / ((phi_q * z).sum(-1, keepdim=True) + eps)
+    else:
+        state.add_(phi_k.unsqueeze(-1) * v.unsqueeze(-2))
+        out = torch.einsum("bhd,bhde->bhe", phi_q, state)
+    return out.to(q.dtype)
+
+
+class CausalLinearAttention(nn.Module):
+    """Causal self-attention with linear attention inside: (batch, seq, dim) in and out.
+
+    Projects x to q, k, v of ``heads`` heads of ``head_dim`` (dim // heads by default), runs
+    :func:`causal_linear_attention` and projects back. Use it where a causal self-attention
+    block goes.
+
+    Generation: ``forward(prompt, return_state=True)`` processes a prompt in parallel (prefill)
+    and returns the state (B, H, head_dim, head_dim + 1) float32 next to the output; then
+    ``step(x_t, state)`` takes one token (B, dim), updates the state in place and returns the
+    token's output (B, dim), in time and memory independent of how many tokens came before.
+    ``initial_state(batch)`` gives the empty state to start from without a prompt.
+    """
+
+    def __init__(self, dim, heads, *, head_dim=None, feature_map="elu", eps=1e-6, method=AUTO,
+                 bias=True, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("dim", dim), ("heads", heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if head_dim is None:
+            if dim % heads:
+                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or give head_dim")
+            head_dim = dim // heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        feature_map_function(feature_map)
+        _check_eps(eps)
+        self.heads, self.head_dim = heads, head_dim
+        self.feature_map, self.eps, self.method = feature_map, eps, method
+        inner = heads * head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(dim, inner, bias=bias, **factory)
+        self.k_proj = nn.Linear(dim, inner, bias=bias, **factory)
+        self.v_proj = nn.Linear(dim, inner, bias=bias, **factory)
+        self.out_proj = nn.Linear(inner, dim, bias=bias, **factory)
+
+    def _heads(self, x):
+        """(B, T, heads * head_dim) -> (B, heads, T, head_dim), a view."""
+        return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+
+    def forward(self, x, state=None, *, return_state=False):
+        """x: (B, T, dim) -> (B, T, dim); ``state`` continues from earlier tokens (see class)."""
+        if x.dim() != 3:
+            raise ValueError(f"x must have 3 dimensions (batch, seq, dim), got shape {tuple(x.shape)}")
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        o, state = causal_linear_attention(q, k, v, feature_map=self.feature_map, eps=self.eps,
+                                           method=self.method, initial_state=state, return_state=True)
+        y = self.out_proj(o.transpose(1, 2).flatten(2))
+        return (y, state) if return_state else y
+
+    def initial_state(self, batch, device=None):
+        """The state before any token: zeros (batch, heads, head_dim, head_dim + 1) float32."""
+        device = self.q_proj.weight.device if device is None else device
+        return torch.zeros(batch, self.heads, self.head_dim, self.head_dim + 1, dtype=torch.float32,
+                           device=device)
+
+    def step(self, x, state):
+        """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place."""
+        if x.dim() != 2:
+            raise ValueError(f"x must have 2 dimensions (batch, dim) for one token, got shape {tuple(x.shape)}")
+        expected = (x.shape[0], self.heads, self.head_dim, self.head_dim + 1)
+        if tuple(state.shape) != expected or state.dtype != torch.float32:
+            raise ValueError(f"state must be float32 of shape {expected}, got {state.dtype} {tuple(state.shape)}")
+        shape = (x.shape[0], self.heads, self.head_dim)
+        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        o = linear_attention_step(q, k, v, state, feature_map=self.feature_map, eps=self.eps)
+        return self.out_proj(o.flatten(1))

@@ -1,0 +1,132 @@
+"""The causal product as a PyTorch operator, for ``torch.compile`` and CUDA graphs.
+
+``torch.compile`` cannot trace the Triton wrappers: they query the device, pick launch
+parameters in Python, and under fake tensors (the compiler's shape-only tensors) Triton's CPU
+interpreter fails outright. Registered with ``torch.library`` as ``ttx_tutorial::causal_product``,
+the product becomes one opaque node of the graph: the compiler learns its output shapes from
+the fake implementation below, and runs the real kernels only on real tensors. A compiled model
+then has no graph break around it, and ``mode="reduce-overhead"`` can capture it in a CUDA graph.
+
+``ttx_tutorial.causal_product`` routes here by itself while ``torch.compile`` traces it; eager
+calls keep calling the kernel wrappers directly (no dispatcher on the way).
+
+The backward is a second operator, ``ttx_tutorial::causal_product_backward``. It re-runs the
+forward kernel under autograd before the kernel's own backward: the scan method's backward
+needs states its forward computed, and an operator can only hand plain tensors from forward to
+backward. Under ``torch.compile`` a forward and backward call therefore costs one forward pass
+more than in eager mode.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _run(q, k, v, initial_state, method):
+    """The kernel wrapper's (o, final_state) for ``method`` ("auto" is resolved here, at run
+    time: the device query behind it would break a traced graph)."""
+    from .api import AUTO, choose_method, method_info  # api imports this module
+
+    info = method_info(choose_method(q, v) if method == AUTO else method)
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
+            return info.load()(q, k, v, initial_state)
+    return info.load()(q, k, v, initial_state)
+
+
+@torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())
+def _causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
+                       method: str) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():  # autograd is the operator's own (register_autograd below)
+        o, final_state = _run(q, k, v, initial_state, method)
+    if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
+        final_state = final_state.clone()  # T = 0: an operator's outputs must not alias its inputs
+    return o, final_state
+
+
+@_causal_product_op.register_fake
+def _(q, k, v, initial_state, method):
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    return q.new_empty((B, H, T, E), dtype=v.dtype), q.new_empty((B, H, D, E), dtype=torch.float32)
+
+
+@torch.library.custom_op("ttx_tutorial::causal_product_backward", mutates_args=())
+def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
+                                grad_o: Tensor, grad_final_state: Optional[Tensor],
+                                method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, H, _, D = q.shape
+    E = v.shape[-1]
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        if initial_state is not None:
+            inputs.append(initial_state.detach().requires_grad_())
+        o, final_state = _run(*inputs[:3], inputs[3] if initial_state is not None else None, method)
+        outputs, grads = [o], [grad_o]
+        if grad_final_state is not None:
+            outputs.append(final_state)
+            grads.append(grad_final_state)
+        found = torch.autograd.grad(outputs, inputs, grads)
+    dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
+    if initial_state is None:  # nothing to differentiate; the schema still returns a tensor
+        ds0 = q.new_zeros((B, H, D, E), dtype=torch.float32)
+    else:
+        ds0 = _laid_out_like(found[3].float(), initial_state.float())
+    return dq, dk, dv, ds0
+
+
+def _laid_out_like(grad, x):
+    """``grad`` with the strides of ``empty_like(x)``, as the fake implementation promises.
+
+    Gradients laid out as their inputs keep the backward graph's later operators on the layout
+    the compiler expects: with the kernels' contiguous gradients of transposed inputs (a layer's
+    heads are views), ``elu_backward``'s fake strides disagree with its real ones (PyTorch 2.13)
+    and a traced view fails. The copy costs only inputs that are not contiguous.
+    """
+    like = torch.empty_like(x)
+    return grad if grad.stride() == like.stride() else like.copy_(grad)
+
+
+@_causal_product_backward_op.register_fake
+def _(q, k, v, initial_state, grad_o, grad_final_state, method):
+    B, H, _, D = q.shape
+    E = v.shape[-1]
+    ds0 = (q.new_empty((B, H, D, E), dtype=torch.float32) if initial_state is None
+           else torch.empty_like(initial_state, dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds0
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, initial_state, method = inputs
+    ctx.save_for_backward(q, k, v, initial_state)
+    ctx.method = method
+
+
+def _backward(ctx, grad_o, grad_final_state):
+    q, k, v, initial_state = ctx.saved_tensors
+    if grad_o is None:  # only the final state was used
+        grad_o = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
+    dq, dk, dv, ds0 = _causal_product_backward_op(q, k, v, initial_state, grad_o, grad_final_state,
+                                                  ctx.method)
+    return dq, dk, dv, (ds0 if initial_state is not None else None), None
+
+
+_causal_product_op.register_autograd(_backward, setup_context=_setup_context)
+
+#: The registered operator, ``torch.ops.ttx_tutorial.causal_product.default``:
+#: (q, k, v, initial_state or None, method) -> (o, final_state), for a Triton method or "auto".
+causal_product_op = torch.ops.ttx_tutorial.causal_product.default
+
+
+def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast gives ``x`` (None when autocast is off on its device or leaves it alone).
+
+    PyTorch's attention under autocast computes in autocast's dtype whatever floating dtype its
+    inputs have, float64 excepted; the causal product follows the same rule."""
+    device_type = x.device.type
+    if x.dtype == torch.float64 or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
