@@ -41,7 +41,10 @@ def copy_notebooks(destination: Path, *, overwrite: bool = False) -> list[Path]:
     root = resources.files("ttx_tutorial.notebooks")
     for name, target in zip(names, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
-        with resources.as_file(root.joinpath(*name.split("/"))) as source:
+        shipped = root
+        for part in name.split("/"):  # one step at a time: a namespace package's joinpath takes one
+            shipped = shipped / part
+        with resources.as_file(shipped) as source:
             shutil.copyfile(source, target)
     return targets
 
