@@ -146,7 +146,7 @@ def test_long_sequence_stays_finite(dtype):
 
 def test_autocast_takes_autocast_dtype():
     q, k, v = random_inputs(1, 2, 33, 16, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(q.device.type, dtype=torch.bfloat16):
         out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
     assert out.dtype == torch.bfloat16
     expected, _ = reference_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lambda x: F.elu(x) + 1,

@@ -41,12 +41,10 @@ Precision: every product accumulates in float32.
 
 Checked on Triton 3.9's CPU interpreter, and by compiling every launch for sm_80 and sm_90 with
 Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
-  - causality holds for non-finite values too (a padded batch's garbage never reaches earlier
-    tokens): the masks select (``tl.where``) rather than multiply, and since a masked product
-    still multiplies its zeros by every row of its right operand (0 * inf is NaN), that
-    operand's non-finite entries enter the product as 0 and the rows that do see one are set
-    to NaN after it (``first_unseen`` in the kernels). A non-finite input therefore makes
-    the outputs it reaches NaN, where float64 arithmetic may give +-inf;
+  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
+    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
+    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
+    q-gradients, of its own chunk. Zero a padded batch's padding first;
   - per-(batch, head) offsets are int32: one head's slice of a tensor must span fewer than
     2**31 elements;
   - a config that needs more shared memory than the GPU has fails at launch (out of resources);
@@ -129,8 +127,6 @@ def _chunked_kernel(
     # compiled kernel then serves the forward and backward passes (on a GPU, Triton still
     # specialises the value 1 into a constant).
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
-    # Position of each row in the walk's direction: row i sees row j exactly when walk_pos[j] <= walk_pos[i].
-    walk_pos = tl.where(reverse != 0, CHUNK - 1 - offs_c, offs_c)
 
     num_chunks = (T + CHUNK - 1) // CHUNK
     for i in range(num_chunks):
@@ -157,14 +153,11 @@ def _chunked_kernel(
         b_scores = tl.where(visible, b_scores, 0.0)
         b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), b_state.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
-        # The masked scores are 0 where a token is unseen, but 0 * inf is NaN: v's non-finite entries
-        # enter this product as 0, and every output that sees one is set to NaN after it.
-        finite_v = tl.abs(b_v.to(tl.float32)) < float("inf")
-        first_unseen = tl.min(tl.where(finite_v, CHUNK, walk_pos[:, None]), axis=0)  # [E]: first non-finite row
-        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_v, b_v, 0.0).to(MIXED_DOT_DTYPE),
-                     acc=b_o, input_precision=FLOAT32_PRECISION)
-        b_o = tl.where(walk_pos[:, None] >= first_unseen[None, :], float("nan"), b_o)
-        b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
+        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE), acc=b_o,
+                     input_precision=FLOAT32_PRECISION)
+        # Added outside the product: a tensor-core accumulator rounds towards zero, and over T / C
+        # chunks that bias would grow with the sequence; an ordinary float32 add rounds to nearest.
+        b_state += tl.dot(b_kt, b_v, input_precision=FLOAT32_PRECISION)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  b_o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
@@ -259,13 +252,8 @@ def _chunked_backward_kernel(
             b_scores = tl.where(lower, b_scores, 0.0)
             b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), b_p.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)                             # [C, D]
-            # As in the forward kernel: k's non-finite entries enter as 0, the rows that see one become NaN.
-            finite_k = tl.abs(b_k.to(tl.float32)) < float("inf")
-            first_unseen_k = tl.min(tl.where(finite_k, CHUNK, offs_c[:, None]), axis=0)       # [D]
-            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
-                          tl.where(finite_k, b_k, 0.0).to(MIXED_DOT_DTYPE), acc=b_dq,
+            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_k.to(MIXED_DOT_DTYPE), acc=b_dq,
                           input_precision=FLOAT32_PRECISION)
-            b_dq = tl.where(offs_c[:, None] >= first_unseen_k[None, :], float("nan"), b_dq)
             b_p = tl.dot(b_vt, b_k, acc=b_p, input_precision=FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      b_dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
@@ -277,7 +265,6 @@ def _chunked_backward_kernel(
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
-    reverse_pos = CHUNK - 1 - offs_c  # walking backwards, row s sees row t when reverse_pos[t] <= reverse_pos[s]
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < T
@@ -300,18 +287,11 @@ def _chunked_backward_kernel(
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = b_r.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
-        # Non-finite entries of the right operands (dO here, q for dK) as in the dQ walk.
-        finite_do = tl.abs(b_do.to(tl.float32)) < float("inf")
-        first_unseen_do = tl.min(tl.where(finite_do, CHUNK, reverse_pos[:, None]), axis=0)   # [E]
-        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_do, b_do, 0.0).to(MIXED_DOT_DTYPE),
-                      acc=b_dv, input_precision=FLOAT32_PRECISION)
-        b_dv = tl.where(reverse_pos[:, None] >= first_unseen_do[None, :], float("nan"), b_dv)
+        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE), acc=b_dv,
+                      input_precision=FLOAT32_PRECISION)
         b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
-        finite_q = tl.abs(b_q.to(tl.float32)) < float("inf")
-        first_unseen_q = tl.min(tl.where(finite_q, CHUNK, reverse_pos[:, None]), axis=0)     # [D]
-        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.where(finite_q, b_q, 0.0).to(MIXED_DOT_DTYPE),
-                      acc=b_dk, input_precision=FLOAT32_PRECISION)
-        b_dk = tl.where(reverse_pos[:, None] >= first_unseen_q[None, :], float("nan"), b_dk)
+        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE), acc=b_dk,
+                      input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q), b_do, acc=b_r, input_precision=FLOAT32_PRECISION)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,

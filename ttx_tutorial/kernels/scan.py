@@ -74,10 +74,10 @@ did before pass 2 joined it), and in pass 2's tail for some tiles. Fragile:
   - the interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 bit patterns
     in tl.dot; under it (INTERPRETED) the kernels round by hand and widen dot operands to
     float32, so that the CPU computes what the GPU does;
-  - causality holds for non-finite values too (a padded batch's garbage never reaches earlier
-    tokens): the masks select (``tl.where``) rather than multiply, and ``_masked_product`` keeps
-    the masked zeros from meeting a non-finite row (0 * inf is NaN). A non-finite input makes
-    the outputs it reaches NaN, where float64 arithmetic may give +-inf;
+  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
+    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
+    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
+    q-gradients, of its own chunk. Zero a padded batch's padding first;
   - offsets inside one (batch, head, segment) are int32; a configuration needing more shared
     memory than the GPU has fails at launch with an out-of-resources error.
 """
@@ -107,19 +107,6 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
-
-
-@triton.jit
-def _masked_product(b_scores, b_right, walk_pos, acc, CHUNK: tl.constexpr, FLOAT32_PRECISION: tl.constexpr):
-    """acc + b_scores @ b_right for scores masked by selection, where row i sees row j exactly when
-    walk_pos[j] <= walk_pos[i]. The masked zeros still multiply every row of b_right, and 0 * inf
-    is NaN: so b_right's non-finite entries enter the product as 0, and every output that sees
-    one is set to NaN after it. A non-finite value then reaches the tokens that see it only."""
-    finite = tl.abs(b_right.to(tl.float32)) < float("inf")
-    first_non_finite = tl.min(tl.where(finite, CHUNK, walk_pos[:, None]), axis=0)
-    acc = tl.dot(b_scores, tl.where(finite, b_right, 0.0).to(b_right.dtype), acc=acc,
-                 input_precision=FLOAT32_PRECISION)
-    return tl.where(walk_pos[:, None] >= first_non_finite[None, :], float("nan"), acc)
 
 
 @triton.jit
@@ -282,10 +269,8 @@ def _segment_outputs_kernel(
     mask_de = mask_d[:, None] & mask_e[None, :]
     if REVERSE:
         causal = offs_c[:, None] <= offs_c[None, :]
-        walk_pos = CHUNK - 1 - offs_c
     else:
         causal = offs_c[:, None] >= offs_c[None, :]
-        walk_pos = offs_c
 
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
     q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
@@ -316,8 +301,8 @@ def _segment_outputs_kernel(
         b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                      _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      input_precision=FLOAT32_PRECISION)
-        b_o = _masked_product(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                              b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), walk_pos, b_o, CHUNK, FLOAT32_PRECISION)
+        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                     b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state = tl.dot(b_kt, b_v.to(DOT_DTYPE), acc=b_state, input_precision=FLOAT32_PRECISION)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
@@ -410,9 +395,8 @@ def _segment_backward_kernel(
             b_dq = tl.dot(b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                           _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)
-            b_dq = _masked_product(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                                   b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), offs_c, b_dq, CHUNK,
-                                   FLOAT32_PRECISION)
+            b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                          b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
             b_p = tl.dot(b_vt, b_k.to(DOT_DTYPE), acc=b_p, input_precision=FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -421,7 +405,6 @@ def _segment_backward_kernel(
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
     upper = offs_c[:, None] <= offs_c[None, :]
-    reverse_pos = CHUNK - 1 - offs_c
     for i in range(0, n_chunks):
         offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < tokens
@@ -438,11 +421,11 @@ def _segment_backward_kernel(
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)
-        b_dv = _masked_product(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                               b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), reverse_pos, b_dv, CHUNK, FLOAT32_PRECISION)
+        b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                      b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dv, input_precision=FLOAT32_PRECISION)
         b_dk = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)
-        b_dk = _masked_product(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                               b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), reverse_pos, b_dk, CHUNK, FLOAT32_PRECISION)
+        b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                      b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
