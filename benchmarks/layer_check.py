@@ -141,8 +141,15 @@ def main():
         to_fla = [x.transpose(1, 2).contiguous() for x in (mapped_q, mapped_k, v)]
         candidates["fla_fused_chunk"] = (fla_normalised, tuple(to_fla))
     if ON_GPU:  # the CPU interpreter cannot run under CUDA graphs; compiling there takes minutes
-        compiled_plain = torch.compile(plain, mode="reduce-overhead", fullgraph=True)
-        compiled_normalised = torch.compile(normalised, mode="reduce-overhead", fullgraph=True)
+        def new_step(fn):
+            # Each call is a new step for the CUDA graph trees: its outputs may replace the last call's.
+            def call(*args):
+                torch.compiler.cudagraph_mark_step_begin()
+                return fn(*args)
+            return call
+
+        compiled_plain = new_step(torch.compile(plain, mode="reduce-overhead", fullgraph=True))
+        compiled_normalised = new_step(torch.compile(normalised, mode="reduce-overhead", fullgraph=True))
         candidates["compiled_plain"] = (compiled_plain, (q, k, v))
         candidates["compiled_normalised"] = (compiled_normalised, (q, k, v))
 
