@@ -162,21 +162,29 @@ def main():
         fla_out = candidates["fla_fused_chunk"][0](*candidates["fla_fused_chunk"][1]).transpose(1, 2)
         errors["fla_fused_chunk"] = relative_error(fla_out[:1, :2], expected)
 
-    timings = {}
+    timings, failures = {}, {}
     for _ in range(args.rounds):
         for name, (fn, inputs) in candidates.items():
-            forward, step, leaves = forward_and_backward(fn, inputs)
-            compiled = name.startswith("compiled")
-            for mode, call, call_leaves in (("fwd", forward, ()), ("fwd+bwd", step, leaves)):
-                ms = call_ms(call, call_leaves)
-                if compiled:
-                    gpu = busy_ms(call)
-                else:
-                    gpu = graph_ms(call, call_leaves)
-                timings.setdefault((name, mode), []).append((ms, gpu))
+            if name in failures:
+                continue
+            try:
+                forward, step, leaves = forward_and_backward(fn, inputs)
+                compiled = name.startswith("compiled")
+                for mode, call, call_leaves in (("fwd", forward, ()), ("fwd+bwd", step, leaves)):
+                    ms = call_ms(call, call_leaves)
+                    if compiled:
+                        gpu = busy_ms(call)
+                    else:
+                        gpu = graph_ms(call, call_leaves)
+                    timings.setdefault((name, mode), []).append((ms, gpu))
+            except RuntimeError as error:  # recorded, and the other rows still measured
+                failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                print(f"{name}: {failures[name]}", file=sys.stderr)
 
-    rows = []
+    rows = [{"name": name, "error": message} for name, message in failures.items()]
     for (name, mode), samples in timings.items():
+        if name in failures:
+            continue
         ms = statistics.median(s[0] for s in samples)
         gpus = [s[1] for s in samples if s[1] is not None]
         rows.append({"name": name, "mode": mode, "shape": [B, H, T, D, D], "dtype": "bf16",
@@ -195,7 +203,7 @@ def main():
     rows.append({"name": "step", "mode": "fwd", "shape": [sb, sh, 1, sd, sd], "dtype": "bf16",
                  "ms": round(call_ms(one_step), 5), "gpu_ms": graph_ms(one_step), "rel_err": None})
 
-    by_name = {(r["name"], r["mode"]): r for r in rows}
+    by_name = {(r["name"], r["mode"]): r for r in rows if "mode" in r}
 
     def ratio(a, b, key):
         x, y = by_name.get(a), by_name.get(b)
@@ -225,6 +233,9 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"env": env, "rows": rows, "ratios": ratios}, indent=1))
     for row in rows:
+        if "error" in row:
+            print(f"{row['name']:22s} failed: {row['error']}")
+            continue
         gpu = "" if row["gpu_ms"] is None else f"  (GPU {row['gpu_ms']:.4f})"
         err = "" if row["rel_err"] is None else f"  err {row['rel_err']:.1e}"
         print(f"{row['name']:22s} {row['mode']:8s} {row['ms']:9.4f} ms{gpu}{err}")

@@ -155,9 +155,7 @@ def _chunked_kernel(
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
         b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE), acc=b_o,
                      input_precision=FLOAT32_PRECISION)
-        # Added outside the product: a tensor-core accumulator rounds towards zero, and over T / C
-        # chunks that bias would grow with the sequence; an ordinary float32 add rounds to nearest.
-        b_state += tl.dot(b_kt, b_v, input_precision=FLOAT32_PRECISION)
+        b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  b_o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
