@@ -48,6 +48,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from . import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
+from .compiler import _language_objects  # what the interpreter rebinds; one definition for both tools
 
 __all__ = ["Access", "Recording", "TensorInfo", "UnsupportedKernel", "draw", "record", "run_interpreted"]
 
@@ -254,17 +255,6 @@ class _Edits:
                 del target[name]
             else:
                 target[name] = old
-
-
-def _language_objects() -> list:
-    """triton.language's modules and the classes they define: what the interpreter rebinds."""
-    objects = []
-    for name, module in list(sys.modules.items()):
-        if name == "triton.language" or name.startswith("triton.language."):
-            objects.append(module)
-            objects.extend(value for value in vars(module).values()
-                           if isinstance(value, type) and value.__module__ == name)
-    return objects
 
 
 def snapshot_language() -> list[tuple[object, dict]]:
