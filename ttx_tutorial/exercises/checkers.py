@@ -98,8 +98,12 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
         raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): the kernel "
                       f"assumes a memory layout somewhere; address every tensor with its own stride arguments.")
     inputs64 = {name: tensor.double().cpu() for name, tensor in inputs.items()}
+    right = spec(**inputs64)
     for variant, message in variants:
-        if relative_error(out, variant(**inputs64)) <= 2 * tol:
+        wrong = variant(**inputs64)
+        # A variant that equals the spec on this case (one token ahead of a one-token sequence)
+        # cannot explain the error.
+        if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{message} ({case.describe()}).")
     T = out.shape[1]
     if T > 2:
@@ -169,7 +173,9 @@ def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20):
     return [
         Case({"BH": 2, "T": short_T, "D": 16, "E": 16}),
         Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}),
-        Case({"BH": 1, "T": 1, "D": 8, "E": 8}),
+        # Several sequences: one token's q.k can nearly cancel, and one such sequence alone would
+        # make a right float32 answer look wrong relative to its tiny norm.
+        Case({"BH": 4, "T": 1, "D": 8, "E": 8}),
         Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}, transposed=True),
         Case({"BH": 1, "T": long_T, "D": 16, "E": 16}, dtype=torch.float16),
         Case({"BH": 2, "T": min(long_T, 48), "D": 16, "E": 16}, dtype=torch.bfloat16),
