@@ -209,7 +209,7 @@ def too_large(name: str, shape: tuple[int, ...], mode: str) -> str | None:
             return f"skipped: loop takes T Python steps a call, timed up to T = {LOOP_MAX_T}"
         needed = (T if backward == 2 else 3) * B * H * D * E * 4  # the backward keeps every state
     elif name == "cumsum":
-        needed = 2 * backward * B * H * T * D * E * 4  # every state S_t, and their cumulative sum
+        needed = 3 * backward * B * H * T * D * E * 4  # every k_t v_t^T, their cumulative sum, S_t
     elif name == "quadratic":
         needed = 3 * backward * B * H * T * T * 4  # the T x T scores, their mask and product
     else:
@@ -428,9 +428,9 @@ def write_outputs(out: Path, env: dict, rows: list[dict]) -> list[Path]:
 
 
 def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
-    """Per (part, dtype): time against T, and achieved bandwidth against the copy ceiling, one
-    panel per mode. Rows of one part and dtype with different (B, H, D, E) are drawn as separate
-    lines, so the reference shapes show as single markers."""
+    """Per (part, dtype): time per call, and achieved bandwidth against the copy ceiling, one
+    panel per mode; one colour per contender. The sweep is drawn against T, the reference shapes
+    side by side."""
     try:
         import matplotlib
 
@@ -439,27 +439,35 @@ def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
     except ImportError:
         print("matplotlib is not installed: no plots")
         return []
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colours = {impl: plt.get_cmap("tab20")(i % 20) for i, impl in enumerate(impls)}
     written = []
     for part, dtype in dict.fromkeys((r["part"], r["dtype"]) for r in rows):
+        shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows if r["part"] == part))
         for quantity, ylabel in (("ms", "milliseconds per call"), ("bandwidth_TBps", "TB/s (minimum bytes / time)")):
             figure, axes = plt.subplots(1, len(MODES), figsize=(13, 5), squeeze=False)
             for axis, mode in zip(axes[0], MODES):
                 selected = [r for r in rows if (r["part"], r["dtype"], r["mode"]) == (part, dtype, mode)
                             and r[quantity] is not None]
-                lines = dict.fromkeys((r["impl"], tuple(r["shape"][:2] + r["shape"][3:])) for r in selected)
-                for impl, dims in lines:
-                    points = sorted((r["shape"][2], r[quantity]) for r in selected
-                                    if r["impl"] == impl and tuple(r["shape"][:2] + r["shape"][3:]) == dims)
-                    label = impl if part == "sweep" else f"{impl} (B, H, D, E) = {dims}"
-                    axis.plot(*zip(*points), "o-", label=label, lw=2.2 if impl in ttx_tutorial.METHODS else 1)
+                for impl in impls:
+                    points = sorted((r["shape"][2] if part == "sweep" else shapes.index(tuple(r["shape"])),
+                                     r[quantity]) for r in selected if r["impl"] == impl)
+                    if points:
+                        axis.plot(*zip(*points), "o-" if part == "sweep" else "o", color=colours[impl],
+                                  label=impl, lw=2.2 if impl in ttx_tutorial.METHODS else 1)
                 if quantity == "bandwidth_TBps":
                     axis.axhline(env["copy_TBps"], color="black", ls="--", label="device copy")
-                axis.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=ylabel,
-                         title=f"{part}, {dtype}, {mode}")
+                if part == "sweep":
+                    B, H, _, D, E = shapes[0]
+                    axis.set(xscale="log", xlabel=f"sequence length T, (B, H, D, E) = {(B, H, D, E)}")
+                else:
+                    axis.set_xticks(range(len(shapes)), [",".join(map(str, s)) for s in shapes], fontsize=7)
+                    axis.set(xlim=(-0.5, len(shapes) - 0.5), xlabel="(B, H, T, D, E)")
+                axis.set(yscale="log", ylabel=ylabel, title=f"{part}, {dtype}, {mode}")
                 axis.grid(True, which="both", alpha=0.3)
                 if selected:
-                    axis.legend(fontsize=6)
-            figure.text(0.01, 0.005, env["recording"], fontsize=6)
+                    axis.legend(fontsize=7)
+            figure.text(0.01, -0.01, env["recording"], fontsize=6)
             name = "time" if quantity == "ms" else "bandwidth"
             path = out / f"{name}_{part}_{dtype}.png"
             figure.savefig(path, dpi=110, bbox_inches="tight")
