@@ -29,6 +29,10 @@ def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     data = folder / "recorded.json"
     shutil.copy(DATA, data)
+    # A file holds one device's figures: this copy stands for the CPU's (and keeps the GPU's rows).
+    copy = json.loads(data.read_text())
+    copy["env"]["gpu"] = bench.CPU_DEVICE
+    data.write_text(json.dumps(copy))
     env = {**os.environ, "TTX_TUTORIAL_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-m", "ttx_tutorial.bench", "--quick", "--out", str(folder / "out"),
@@ -144,13 +148,17 @@ def test_a_re_measured_row_replaces_the_old_one_and_unread_recordings_go(tmp_pat
     assert list(merged["recordings"]) == [name]
 
 
-def test_nothing_measured_is_refused_and_the_file_is_untouched(tmp_path):
+def test_nothing_measured_and_another_device_are_refused_and_the_file_is_untouched(tmp_path):
     path = tmp_path / "recorded.json"
     synthetic_file(path)
     before = path.read_text()
     with pytest.raises(ValueError, match="every row was skipped or failed"):
         bench.record(path, [{**new_rows("chunked")[0], "ms": None, "note": "failed: x"}], ENV)
-    assert path.read_text() == before
+    bench.record(path, new_rows("chunked"), ENV)
+    measured = path.read_text()
+    with pytest.raises(ValueError, match="holds figures of NVIDIA H200, this run measured NVIDIA A100"):
+        bench.record(path, new_rows("chunked"), {**ENV, "gpu": "NVIDIA A100"})
+    assert path.read_text() == measured != before
 
 
 def test_an_unwritten_or_wrong_output_shows_in_the_error_column():
@@ -177,6 +185,7 @@ def test_a_dtype_a_contender_refuses_is_skipped_with_the_reason():
     (["--sweep", "1,8,64:256"], "--sweep: '1,8,64:256' must be four positive B,H,D,E"),
     (["--dtypes", "float64"], "--dtypes: unknown 'float64'; choose from float32, float16, bfloat16"),
     (["--methods", "fast"], "--methods: unknown 'fast'; choose from loop"),
+    (["--shapes", "", "--sweep", ""], "--shapes and --sweep are both empty: nothing to measure"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys):
     with pytest.raises(SystemExit):

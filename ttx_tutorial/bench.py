@@ -521,7 +521,8 @@ def record(path: Path, rows: list[dict], env: dict, note: str | None = None) -> 
 
     The recording is named by date, device, versions and command
     (``ttx_tutorial.notebook.recording_name``) and listed last (the file lists them oldest
-    first); a recording of the same name made before is replaced. An older row measured again
+    first); a recording of the same name made before is replaced. A file holds the figures of
+    one device: rows of another are refused. An older row measured again
     (same part, shape, method, mode, dtype and config) is dropped, and so is every older row
     that no notebook figure reads any more (:func:`figure_rows`): git history keeps them.
     Rows that were skipped or failed are not recorded.
@@ -531,6 +532,10 @@ def record(path: Path, rows: list[dict], env: dict, note: str | None = None) -> 
     name = recording_name(env, env["command"])
     if path.exists():
         recorded = json.loads(path.read_text())
+        device = recorded["env"].get("gpu")
+        if device not in (None, env["gpu"]):
+            raise ValueError(f"--record: {path} holds figures of {device}, this run measured {env['gpu']}: "
+                             "record into a file of this device's own")
     else:
         recorded = {"env": {}, "about": "Figures written by python -m ttx_tutorial.bench --record.",
                     "recordings": {}, "rows": []}
@@ -563,11 +568,13 @@ def _recorded_row(row: dict, recording: str) -> dict:
 # --- command line ----------------------------------------------------------------------------
 
 ENV_KEYS = ("gpu", "sms", "torch", "triton", "python", "date", "fla")
+#: What a run in CPU mode names as its device.
+CPU_DEVICE = "CPU (Triton interpreter)"
 
 
 def environment(command: str, copy_TBps: float) -> dict:
     if _device.INTERPRETED:
-        gpu, sms = "CPU (Triton interpreter)", None
+        gpu, sms = CPU_DEVICE, None
     else:
         properties = torch.cuda.get_device_properties(_device.DEVICE)
         gpu, sms = torch.cuda.get_device_name(_device.DEVICE), properties.multi_processor_count
@@ -587,7 +594,7 @@ def environment(command: str, copy_TBps: float) -> dict:
 
 
 def parse_shapes(text: str, option: str) -> tuple[tuple[int, ...], ...]:
-    """'B,H,T,D[,E];...' as (B, H, T, D, E) tuples."""
+    """'B,H,T,D[,E];...' as (B, H, T, D, E) tuples; '' is none."""
     shapes = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
@@ -597,8 +604,6 @@ def parse_shapes(text: str, option: str) -> tuple[tuple[int, ...], ...]:
         if len(numbers) not in (4, 5) or min(numbers) < 1:
             raise ValueError(f"{option}: {item!r} must be 4 or 5 positive integers, B,H,T,D[,E]")
         shapes.append(numbers if len(numbers) == 5 else numbers + (numbers[3],))
-    if not shapes:
-        raise ValueError(f"{option}: no shape given")
     return tuple(shapes)
 
 
@@ -630,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ttx_tutorial.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (the defaults below shrink)")
-    parser.add_argument("--shapes", help="B,H,T,D[,E];... (default: the reference shapes)")
+    parser.add_argument("--shapes", help="B,H,T,D[,E];... or '' for none (default: the reference shapes)")
     parser.add_argument("--sweep", help="B,H,D,E:T,T,... timed over T, or '' for none "
                                         "(default 1,8,64,64:256,...,65536)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, of " + ", ".join(DTYPES))
@@ -651,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         peers = parse_names(args.peers, PEERS, "--peers")
         if not dtypes or not (methods or peers):
             raise ValueError("--dtypes and one of --methods/--peers must name at least one")
+        if not shapes and sweep is None:
+            raise ValueError("--shapes and --sweep are both empty: nothing to measure")
     except ValueError as exc:
         parser.error(str(exc))
     # The command as it decides the measurements: where results go does not name a recording.
