@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,13 @@ def test_csv_and_plots_are_written(quick_run):
         assert (folder / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_run_prints_its_comparison_with_the_peers(quick_run):
+    *_, stdout = quick_run
+    table = stdout.split("fastest of ours against the fastest peer")[1]
+    for shape in bench.QUICK_SHAPES["cpu"]:
+        assert len(re.findall(re.escape(str(shape)) + r" +(fp32|bf16) +fwd", table)) == 4  # two dtypes, two modes
+
+
 def test_the_record_keeps_the_data_files_invariants(quick_run):
     _, report, recorded, _ = quick_run
     recorded_invariants.test_every_row_belongs_to_a_listed_recording_and_every_recording_has_rows(recorded)
@@ -108,6 +116,18 @@ def test_the_record_keeps_what_the_notebook_figures_read_and_drops_the_rest(quic
     assert {json.dumps(row, sort_keys=True) for row in kept} == read
     assert {"precision", "peers", "overhead", "sweep", "shapes"} <= {row["part"] for row in kept}
     assert not {"tune", "trace"} & {row["part"] for row in kept}, "no figure reads these"
+
+
+def test_the_record_follows_every_kind_of_row_the_notebooks_draw():
+    """figure_rows mirrors the notebooks' selections: a notebook that starts to draw another
+    part must be taught to the record, or the record would drop that part's rows."""
+    drawn = set()
+    for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                drawn |= set(re.findall(r"part=[\"'](\w+)[\"']", "".join(cell["source"])))
+    kept = {row["part"] for rows in bench.figure_rows(json.loads(DATA.read_text())) for row in rows}
+    assert drawn == kept == {"shapes", "peers", "sweep", "precision", "overhead"}
 
 
 OLD = "2026-01-01 NVIDIA H200, torch 2.11, triton 3.6: python -m ttx_tutorial.bench --shapes 1,8,256,64"
