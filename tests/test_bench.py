@@ -55,6 +55,7 @@ def expected_points():
 
 def test_the_quick_run_writes_one_measured_row_per_point(quick_run):
     _, report, _, _ = quick_run
+    assert report["complete"]
     rows = report["rows"]
     points = [(r["part"], tuple(r["shape"]), r["impl"], r["mode"], r["dtype"]) for r in rows]
     assert len(points) == len(set(points)), "a point was measured twice"
@@ -211,3 +212,19 @@ def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys)
     with pytest.raises(SystemExit):
         bench.main(arguments)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_row_has_its_graph_replay_host_time_and_bandwidth():
+    copy_TBps = bench.copy_bandwidth_TBps(quick=True)
+    assert copy_TBps > 0.1
+    point = bench.Point((2, 4, 512, 64, 64), torch.bfloat16, seed=3)
+    found, _ = bench.peer_contenders(["sdpa_softmax", "fla_fused_chunk"])
+    for contender in bench.method_contenders(["recurrent", "chunked", "scan", "cumsum"]) + found:
+        for mode in bench.MODES:
+            row = bench.measure(point, contender, mode, copy_TBps)
+            assert row["note"] is None, row
+            assert row["ms"] > 0 and row["gpu_ms"] > 0 and row["host_us"] > 0, row
+            assert 0 < row["bandwidth_TBps"] < 2 * copy_TBps, row
+            if mode == "fwd":
+                assert row["rel_err"] <= TOLERANCES[torch.bfloat16], row

@@ -4,7 +4,9 @@
     python -m ttx_tutorial.bench --quick              # small sizes: minutes on a GPU, seconds on a CPU
     python -m ttx_tutorial.bench --shapes '8,16,4096,64;1,8,65536,64' --sweep '' --dtypes bfloat16
 
-Every (shape, dtype, mode) point times each contender forward ("fwd") and forward+backward
+Two parts: "shapes", the reference grid of (B, H, T, D, E) (``--shapes``), and "sweep", T in
+powers of two at one (B, H, D, E) (``--sweep``), which the notebooks draw against T (in
+bfloat16: record the sweep with ``--dtypes bfloat16``). Every (shape, dtype, mode) point times each contender forward ("fwd") and forward+backward
 ("fwd+bwd") through public functions only: ``ttx_tutorial.causal_product`` for every method
 of ``ttx_tutorial.METHODS``, and as peers, when importable, fla's ``chunk_linear_attn``,
 ``fused_chunk_linear_attn`` and ``fused_recurrent_linear_attn`` (``scale=1.0,
@@ -31,9 +33,10 @@ memory) is skipped and says why in ``note``; a failure is reported there too, an
 The grid is a list of ``triton.testing.Benchmark`` (x: T, lines: contenders) walked here
 rather than by ``Mark.run``, which needs pandas and keeps one number per point.
 
-Output in ``--out``: ``bench.csv``, ``bench.json`` (the environment and every row), and PNG
-plots: time against T for each group of shapes, dtype and mode, and the achieved bandwidth
-against the copy ceiling. ``--record FILE`` merges the rows into a recorded-data file (the
+Output in ``--out``: ``bench.csv``, ``bench.json`` (the environment and every row; rewritten
+after each row while the run lasts, with ``"complete": false``) and PNG plots, per part and
+dtype: time per call against T (the sweep) or per shape, and the achieved bandwidth against the
+copy ceiling. ``--record FILE`` merges the rows into a recorded-data file (the
 format of ``ttx_tutorial/data/h200.json``) as one recording named by date, device, versions and
 command, see :func:`record`.
 """
@@ -348,7 +351,8 @@ def benchmarks(shapes, sweep, dtypes, contenders) -> list[triton.testing.Benchma
 
 
 def run(grid: list[triton.testing.Benchmark], contenders: list[Contender], copy_TBps: float,
-        seed: int = 0) -> list[dict]:
+        seed: int = 0, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every point of ``grid``; ``on_row(rows so far)`` after each one."""
     by_name = {c.name: c for c in contenders}
     points = {}
 
@@ -375,6 +379,8 @@ def run(grid: list[triton.testing.Benchmark], contenders: list[Contender], copy_
         row = bench_point.fn(T=T, contender=name, **bench.args)
         rows.append(row)
         write(_row_line(row))
+        if on_row is not None:
+            on_row(rows)
     points.clear()
     return rows
 
@@ -444,7 +450,7 @@ CSV_FIELDS = ("part", "shape", "dtype", "mode", "impl", "ms", "host_us", "gpu_ms
 
 def write_outputs(out: Path, env: dict, rows: list[dict]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (out / "bench.json").write_text(json.dumps({"env": env, "complete": True, "rows": rows}, indent=1))
     with open(out / "bench.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
@@ -698,9 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     copy_TBps = copy_bandwidth_TBps(args.quick)
     env = environment(command, copy_TBps)
     print(f"device copy: {copy_TBps:.3f} TB/s (bytes read + written)")
-    rows = run(benchmarks(shapes, sweep, dtypes, contenders), contenders, copy_TBps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def keep_so_far(rows):  # a run cut short keeps what it measured
+        (out / "bench.json").write_text(json.dumps({"env": env, "complete": False, "rows": rows}, indent=1))
+
+    rows = run(benchmarks(shapes, sweep, dtypes, contenders), contenders, copy_TBps, on_row=keep_so_far)
     env["seconds"] = round(time.perf_counter() - started, 1)
-    written = write_outputs(Path(args.out), env, rows)
+    written = write_outputs(out, env, rows)
     measured = sum(row["ms"] is not None for row in rows)
     if any(row["part"] == "shapes" for row in rows):
         print("\nfastest of ours against the fastest peer (x ms: peer's ms over ours)\n" + summary(rows))
