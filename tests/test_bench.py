@@ -207,6 +207,8 @@ def test_a_dtype_a_contender_refuses_is_skipped_with_the_reason():
     (["--dtypes", "float64"], "--dtypes: unknown 'float64'; choose from float32, float16, bfloat16"),
     (["--methods", "fast"], "--methods: unknown 'fast'; choose from loop"),
     (["--shapes", "", "--sweep", ""], "--shapes and --sweep are both empty: nothing to measure"),
+    (["--modes", "bwd"], "--modes: unknown 'bwd'; choose from fwd, fwd+bwd"),
+    (["--modes", ""], "--dtypes, --modes and one of --methods/--peers must name at least one"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys):
     with pytest.raises(SystemExit):

@@ -6,7 +6,7 @@
 
 Two parts: "shapes", the reference grid of (B, H, T, D, E) (``--shapes``), and "sweep", T in
 powers of two at one (B, H, D, E) (``--sweep``), which the notebooks draw against T (in
-bfloat16: record the sweep with ``--dtypes bfloat16``). Every (shape, dtype, mode) point times each contender forward ("fwd") and forward+backward
+bfloat16 and forward: ``--dtypes bfloat16 --modes fwd`` records just that). Every (shape, dtype, mode) point times each contender forward ("fwd") and forward+backward
 ("fwd+bwd") through public functions only: ``ttx_tutorial.causal_product`` for every method
 of ``ttx_tutorial.METHODS``, and as peers, when importable, fla's ``chunk_linear_attn``,
 ``fused_chunk_linear_attn`` and ``fused_recurrent_linear_attn`` (``scale=1.0,
@@ -328,7 +328,7 @@ def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> 
 
 # --- the grid --------------------------------------------------------------------------------
 
-def benchmarks(shapes, sweep, dtypes, contenders) -> list[triton.testing.Benchmark]:
+def benchmarks(shapes, sweep, dtypes, modes, contenders) -> list[triton.testing.Benchmark]:
     """One ``Benchmark`` per (part, B, H, D, E, dtype, mode): x is T, one line per contender.
     ``args["part"]`` is "shapes" for the reference grid and "sweep" for the sweep over T."""
     groups = {}
@@ -341,7 +341,7 @@ def benchmarks(shapes, sweep, dtypes, contenders) -> list[triton.testing.Benchma
     grid = []
     for (part, B, H, D, E), lengths in groups.items():
         for dtype in dtypes:
-            for mode in MODES:
+            for mode in modes:
                 label = f"{part}_{B}x{H}xTx{D}x{E}_{DTYPE_LABELS[dtype]}_{mode.replace('+', '_')}"
                 grid.append(triton.testing.Benchmark(
                     x_names=["T"], x_vals=lengths, line_arg="contender", line_vals=names,
@@ -476,9 +476,10 @@ def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
     written = []
     for part, dtype in dict.fromkeys((r["part"], r["dtype"]) for r in rows):
         shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows if r["part"] == part))
+        modes = [mode for mode in MODES if any(r["mode"] == mode for r in rows)]
         for quantity, ylabel in (("ms", "milliseconds per call"), ("bandwidth_TBps", "TB/s (minimum bytes / time)")):
-            figure, axes = plt.subplots(1, len(MODES), figsize=(13, 5), squeeze=False)
-            for axis, mode in zip(axes[0], MODES):
+            figure, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 5), squeeze=False)
+            for axis, mode in zip(axes[0], modes):
                 selected = [r for r in rows if (r["part"], r["dtype"], r["mode"]) == (part, dtype, mode)
                             and r[quantity] is not None]
                 for impl in impls:
@@ -671,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", help="B,H,D,E:T,T,... timed over T, or '' for none "
                                         "(default 1,8,64,64:256,...,65536)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--methods", default=",".join(ttx_tutorial.METHODS), help="comma-separated")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, '' for none")
     parser.add_argument("--out", default="bench-results", help="directory for CSV, JSON and PNG")
@@ -684,10 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         sweep = parse_sweep(args.sweep) if args.sweep is not None else (
             QUICK_SWEEP[mode] if args.quick else SWEEP)
         dtypes = [DTYPES[name] for name in parse_names(args.dtypes, DTYPES, "--dtypes")]
+        modes = parse_names(args.modes, MODES, "--modes")
         methods = parse_names(args.methods, ttx_tutorial.METHODS, "--methods")
         peers = parse_names(args.peers, PEERS, "--peers")
-        if not dtypes or not (methods or peers):
-            raise ValueError("--dtypes and one of --methods/--peers must name at least one")
+        if not dtypes or not modes or not (methods or peers):
+            raise ValueError("--dtypes, --modes and one of --methods/--peers must name at least one")
         if not shapes and sweep is None:
             raise ValueError("--shapes and --sweep are both empty: nothing to measure")
     except ValueError as exc:
@@ -710,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     def keep_so_far(rows):  # a run cut short keeps what it measured
         (out / "bench.json").write_text(json.dumps({"env": env, "complete": False, "rows": rows}, indent=1))
 
-    rows = run(benchmarks(shapes, sweep, dtypes, contenders), contenders, copy_TBps, on_row=keep_so_far)
+    rows = run(benchmarks(shapes, sweep, dtypes, modes, contenders), contenders, copy_TBps, on_row=keep_so_far)
     env["seconds"] = round(time.perf_counter() - started, 1)
     written = write_outputs(out, env, rows)
     measured = sum(row["ms"] is not None for row in rows)
