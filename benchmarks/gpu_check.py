@@ -44,7 +44,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
 from ttx_tutorial.notebook import recording_name  # noqa: E402
-from ttx_tutorial.bench import REFERENCE_SHAPES, parse_shapes  # noqa: E402
+from ttx_tutorial.bench import REFERENCE_SHAPES, graph_ms, host_us, parse_shapes  # noqa: E402
 
 KERNEL_METHODS = ["recurrent", "chunked", "scan"]
 
@@ -199,33 +199,6 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.con
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c)
 
 
-def _host_us(fn, calls=200):
-    """Microseconds of host time per call: enqueue `calls` calls, then wait for the GPU once."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
-def _graph_ms(fn, before_capture=None):
-    """Median ms of fn replayed from a CUDA graph: the GPU's time with no host in the way."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    if before_capture is not None:
-        before_capture()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay)
-
-
 def part_overhead(rec, fla, shapes):
     """Each public layer of the chunked forward, timed three ways (see the module docstring)."""
     import cProfile
@@ -248,9 +221,9 @@ def part_overhead(rec, fla, shapes):
         for name, fn in layers.items():
             fn()
             ms = median_ms(fn)
-            host = _host_us(fn)
+            host = host_us(fn, 200)
             try:
-                graph = None if name == "empty_x2" else _graph_ms(fn)  # allocations alone: no kernel
+                graph = None if name == "empty_x2" else graph_ms(fn)  # allocations alone: no kernel
             except Exception as exc:  # some layers allocate or sync in ways a graph refuses
                 print(f"[overhead] {name}: no graph ({type(exc).__name__}: {str(exc)[:120]})")
                 graph = None
@@ -261,7 +234,7 @@ def part_overhead(rec, fla, shapes):
         step = lambda: ttx_tutorial.causal_product(qg, kg, vg, "chunked").backward(grad_out)  # noqa: E731
         step()
         rec.add(shape, "overhead_api_fwd_bwd", "fwd+bwd", "bf16", median_ms(step), None,
-                json.dumps({"host_us": round(_host_us(step), 1)}), "overhead")
+                json.dumps({"host_us": round(host_us(step, 200), 1)}), "overhead")
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(200):
@@ -298,7 +271,7 @@ def part_trace(rec, fla, shapes, out):
             for mode, call in (("fwd", forward), ("fwd+bwd", fresh_step)):
                 call()
                 ms = median_ms(call)
-                host = _host_us(call, 100)
+                host = host_us(call, 100)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
                         flush.zero_()

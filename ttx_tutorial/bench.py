@@ -143,9 +143,8 @@ def _peer(name: str) -> Contender:
 
 def timed_calls(fn: Callable[[], object], leaves: list[torch.Tensor]) -> tuple[float, float]:
     """(ms, host_us) of ``fn()``: the median of ``do_bench`` (``leaves``' gradients cleared
-    before each call), and the host's time per call in a loop that enqueues calls without
-    waiting for the GPU; its gradients accumulate, as in a training loop. In CPU mode all work is
-    the host's: both come from the same few calls."""
+    before each call), and :func:`host_us`, its gradients accumulating as in a training loop.
+    In CPU mode all work is the host's: both come from the same few calls."""
     if _device.INTERPRETED:
         samples = []
         for _ in range(CPU_CALLS):
@@ -156,17 +155,22 @@ def timed_calls(fn: Callable[[], object], leaves: list[torch.Tensor]) -> tuple[f
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples), statistics.mean(samples) * 1e3
     ms = float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
-    calls = max(3, min(100, int(50 / max(ms, 1e-3))))  # enough to see the host, few for slow calls
+    return ms, host_us(fn, calls=max(3, min(100, int(50 / max(ms, 1e-3)))))  # few calls when slow
+
+
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Microseconds of host time per call: ``calls`` calls enqueued without waiting for the GPU,
+    which is waited for once at the end."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return ms, elapsed / calls * 1e6
+    return elapsed / calls * 1e6
 
 
-def graph_ms(fn: Callable[[], object], leaves: list[torch.Tensor]) -> float:
+def graph_ms(fn: Callable[[], object], leaves: Iterable[torch.Tensor] = ()) -> float:
     """Median milliseconds of ``fn`` replayed from a CUDA graph: the GPU's time, no host in the
     way. The leaves start the capture without gradients, so that the graph writes fresh ones as
     ``do_bench(grad_to_none=...)`` lets each call do."""
