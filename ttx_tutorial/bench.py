@@ -115,7 +115,7 @@ def peer_contenders(names: Iterable[str]) -> tuple[list[Contender], dict[str, st
         try:
             found.append(_peer(name))
         except Exception as exc:  # noqa: BLE001  optional: say why it is left out
-            missing[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            missing[name] = _reason(exc)
     return found, missing
 
 
@@ -315,10 +315,10 @@ def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> 
             try:
                 row["gpu_ms"] = graph_ms(call, leaves)
             except Exception as exc:  # a host sync or an allocation a graph refuses
-                row["note"] = f"no CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+                row["note"] = f"no CUDA graph: {_reason(exc)}"
                 torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001  one failing contender must not end the run
-        row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        row["note"] = f"failed: {_reason(exc)}"
         row["ms"] = row["host_us"] = None
         if not _device.INTERPRETED:
             torch.cuda.synchronize()
@@ -328,6 +328,12 @@ def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> 
     row["floor_ms"] = floor / (copy_TBps * 1e12) * 1e3
     row["bandwidth_TBps"] = floor / (row["ms"] * 1e-3) / 1e12
     return row
+
+
+def _reason(exc: Exception) -> str:
+    """An exception in one short line."""
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first_line[:160]}"
 
 
 # --- the grid --------------------------------------------------------------------------------
