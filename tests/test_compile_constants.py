@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_METHODS = tuple(m for m in ttx_tutorial.METHODS if ttx_tutorial.method_info(m).is_triton)
 
 _CHILD = r"""
-import importlib, json, sys
+import inspect, json, sys
 import ttx_tutorial
-from ttx_tutorial import compiler
-module = importlib.import_module(ttx_tutorial.method_info(sys.argv[1]).target.split(":")[0])
+from ttx_tutorial.course import compiler
+module = inspect.getmodule(ttx_tutorial.method_info(sys.argv[1]).function)
 seen, results = set(), []
 for variant in module.launch_variants():
     name = variant["kernel"].fn.__name__ if hasattr(variant["kernel"], "fn") else variant["kernel"].__name__

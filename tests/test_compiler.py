@@ -1,4 +1,4 @@
-"""ttx_tutorial.compiler: asking the GPU compiler, without a GPU, what it makes of a kernel."""
+"""ttx_tutorial.course.compiler: asking the GPU compiler, without a GPU, what it makes of a kernel."""
 
 import re
 
@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from ttx_tutorial import compiler
+from ttx_tutorial.course import compiler
 
 TARGETS = ["sm_80", "sm_90"]
 

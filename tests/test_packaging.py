@@ -199,7 +199,7 @@ def test_an_invalid_device_choice_is_a_clear_error():
 SDIST_MUST_HOLD = ("tests/conftest.py", "tests/_strategies.py", "notebooks/conftest.py",
                    "notebooks/nbval_sanitize.cfg", "Makefile", "constraints.txt", "environment.yml",
                    "CHANGELOG.md", "README.md", "LICENSE", "ttx_tutorial/py.typed",
-                   "ttx_tutorial/data/h200.json")
+                   "ttx_tutorial/course/data/h200.json")
 # Left out of the copy the distributions are built from: environments, caches, build outputs.
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
                                     ".pytest_cache", ".hypothesis", ".ipynb_checkpoints", "results")
@@ -280,7 +280,7 @@ def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_s
                      if "__pycache__" not in path.parts)
     missing = [name for name in modules if not (installed.parent / name).is_file()]
     assert not missing, f"the wheel lacks {missing}"
-    assert (installed / "py.typed").is_file() and (installed / "data" / "h200.json").is_file()
+    assert (installed / "py.typed").is_file() and (installed / "course" / "data" / "h200.json").is_file()
 
     destination = outside / "my notebooks"
     run_checked([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)], cwd=outside, env=env)

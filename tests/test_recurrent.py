@@ -255,7 +255,7 @@ def _run_without_interpreter(script):
 def test_launch_variants_compile_for_sm90():
     result = _run_without_interpreter("""
         import ttx_tutorial
-        from ttx_tutorial import compiler
+        from ttx_tutorial.course import compiler
         from ttx_tutorial.kernels import recurrent
 
         variants = recurrent.launch_variants()

@@ -241,7 +241,7 @@ def _main_variants(variants):
 
 def _compile_main_variants():
     """Run in a child without the interpreter: compile the chosen variants for sm_90."""
-    from ttx_tutorial import compiler
+    from ttx_tutorial.course import compiler
 
     results = []
     for variant in _main_variants(scan.launch_variants()):

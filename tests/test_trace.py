@@ -1,4 +1,4 @@
-"""ttx_tutorial.trace: the loads and stores of each program, recorded from an interpreted launch."""
+"""ttx_tutorial.course.trace: the loads and stores of each program, recorded from an interpreted launch."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 import ttx_tutorial
-from ttx_tutorial import trace
+from ttx_tutorial.course import trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ _GPU_MODE_SCRIPT = """
 import torch, triton, triton.language as tl
 import ttx_tutorial
 from triton.runtime.jit import JITFunction
-from ttx_tutorial import trace
+from ttx_tutorial.course import trace
 assert not ttx_tutorial.INTERPRETED and isinstance(tl.zeros, JITFunction)
 
 @triton.jit
