@@ -47,7 +47,7 @@ from triton.runtime import interpreter as _interpreter_module
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from . import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
+from .. import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
 from .compiler import _language_objects  # what the interpreter rebinds; one definition for both tools
 
 __all__ = ["Access", "Recording", "TensorInfo", "UnsupportedKernel", "draw", "record", "run_interpreted"]
