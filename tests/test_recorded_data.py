@@ -1,4 +1,4 @@
-"""The recorded GPU figures (ttx_tutorial/data/*.json): every row names its recording by date,
+"""The recorded GPU figures (ttx_tutorial/course/data/*.json): every row names its recording by date,
 GPU, versions and command; no row of a Triton method is superseded by a later recording; and
 notebook figures take their rows from one recording only."""
 
