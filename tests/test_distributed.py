@@ -303,6 +303,23 @@ def test_without_a_process_group_the_error_says_what_to_call():
         distributed.causal_product(*random_inputs(1, 1, 4, 2))
 
 
+def test_a_slice_state_summed_chunk_by_chunk(monkeypatch):
+    """L = K^T V over chunks of 3 tokens (upcast a chunk at a time): the value against float64,
+    and its gradients by float64 gradcheck; the empty slice gives zeros."""
+    from ttx_tutorial import distributed
+    from ttx_tutorial.testing import assert_close, random_inputs
+
+    monkeypatch.setattr(distributed, "_UPCAST_ELEMENTS", 2 * 3 * 7 * 3)
+    _, k, v = random_inputs(2, 3, 10, 7, 5, dtype=torch.bfloat16)
+    assert len(distributed._token_chunks(k, v)) == 4
+    state = distributed._SliceState.apply(k, v, torch.float32)
+    assert_close(state, k.double().transpose(-2, -1) @ v.double(), torch.float32, "state")
+    _, k, v = random_inputs(2, 3, 10, 7, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda k, v: distributed._SliceState.apply(k, v, torch.float64), (k, v))
+    empty = distributed._SliceState.apply(k[:, :, :0], v[:, :, :0], torch.float64)
+    assert empty.shape == (2, 3, 7, 5) and not empty.any()
+
+
 def test_the_package_loads_the_module_on_first_use():
     code = ("import sys, ttx_tutorial; assert 'ttx_tutorial.distributed' not in sys.modules; "
             "assert callable(ttx_tutorial.distributed.causal_product)")

@@ -7,8 +7,8 @@ empty ones included. The state before rank r's first token is
     P_r = S_0 + sum_{j<r} L_j        with    L_j = K_j^T V_j = sum_{t in slice j} k_t v_t^T,
 
 so a rank needs from the others only their (D x E) states L_j, never their tokens. Each rank
-computes its own L_r in float32 with one batched matmul (no causal product: the order of the
-tokens inside a slice does not matter to their sum), the ranks exchange these states, every
+computes its own L_r in float32 with batched matmuls over chunks of its tokens (no causal
+product: the order of the tokens inside a slice does not matter to their sum), the ranks exchange these states, every
 rank sums the ones before it into P_r, and runs the ordinary single-device
 :func:`ttx_tutorial.causal_product` on its slice from P_r. The state after the whole sequence,
 S_T = S_0 + sum_j L_j, comes out of the same exchange on every rank.
@@ -115,6 +115,45 @@ def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
         traffic.bytes_sent += (world_size - 1) * tensor.numel() * tensor.element_size()
         traffic.collectives += 1
     return gathered
+
+
+#: Elements of k or v upcast at a time to sum a slice's state: the float32 copies stay near 64 MB.
+_UPCAST_ELEMENTS = 2**24
+
+
+def _token_chunks(k, v):
+    B, H, T, D = k.shape
+    step = max(1, _UPCAST_ELEMENTS // (B * H * max(D, v.shape[-1], 1)))
+    return [slice(start, start + step) for start in range(0, T, step)]
+
+
+class _SliceState(torch.autograd.Function):
+    """L = K^T V = sum_t k_t v_t^T over this rank's slice, in ``state_dtype``, a chunk of tokens at
+    a time: k and v are saved as they are, and their upcast copies stay small (a long slice is
+    what context parallelism is for)."""
+
+    @staticmethod
+    def forward(ctx, k, v, state_dtype):
+        ctx.save_for_backward(k, v)
+        ctx.state_dtype = state_dtype
+        B, H, _, D = k.shape
+        state = torch.zeros(B, H, D, v.shape[-1], dtype=state_dtype, device=k.device)
+        for part in _token_chunks(k, v):
+            state += k[:, :, part].to(state_dtype).transpose(-2, -1) @ v[:, :, part].to(state_dtype)
+        return state
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_state):
+        k, v = ctx.saved_tensors
+        grad_k = torch.empty_like(k) if ctx.needs_input_grad[0] else None
+        grad_v = torch.empty_like(v) if ctx.needs_input_grad[1] else None
+        for part in _token_chunks(k, v):  # dk_t = G v_t and dv_t = G^T k_t, G the state's gradient
+            if grad_k is not None:
+                grad_k[:, :, part] = v[:, :, part].to(ctx.state_dtype) @ grad_state.transpose(-2, -1)
+            if grad_v is not None:
+                grad_v[:, :, part] = k[:, :, part].to(ctx.state_dtype) @ grad_state
+        return grad_k, grad_v, None
 
 
 class _StatesAcrossRanks(torch.autograd.Function):
@@ -286,7 +325,7 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                group, _summary_device(group))
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # L_r: this slice's tokens summed into one state; the order inside the slice does not matter.
-    own = torch.matmul(k.transpose(-2, -1).to(state_dtype), v.to(state_dtype))
+    own = _SliceState.apply(k, v, state_dtype)
     if initial_state is not None:  # rank 0: S_0 enters every later start and the final state
         initial_state = initial_state.to(state_dtype)
         own = own + initial_state
