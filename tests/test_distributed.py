@@ -25,9 +25,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-B, H, D, E = 1, 2, 6, 5
-#: Tokens on each rank, in rank order: uneven, and one rank with none.
-SPLITS = {2: (7, 12), 3: (5, 0, 9)}
+#: (B, H, D, E) and the tokens on each rank, in rank order: uneven slices, and one rank with none.
+#: Small for the interpreter; on GPUs, slices across many chunks and scan segments.
+SIZES = {("gloo", 2): ((1, 2, 6, 5), (7, 12)),
+         ("gloo", 3): ((1, 2, 6, 5), (5, 0, 9)),
+         ("nccl", 2): ((2, 3, 64, 48), (1500, 2596))}
 #: (name, method, dtype, initial state on rank 0, return_state)
 CASES = [
     ("recurrent-float32", "recurrent", "float32", True, True),
@@ -44,11 +46,18 @@ REFUSALS = ["mismatched-D", "mismatched-dtype", "initial-state-on-rank-1", "unkn
 
 # ---------------------------------------------------------------- the worker: one rank
 
-def _case_inputs(world_size, seed, dtype, device):
+def _my_part(sizes, rank):
+    _, splits = sizes
+    start = sum(splits[:rank])
+    return slice(start, start + splits[rank])
+
+
+def _case_inputs(sizes, seed, dtype, device):
     """The whole sequence's inputs and output gradients, the same on every rank."""
     from ttx_tutorial.testing import random_inputs
 
-    T = sum(SPLITS[world_size])
+    (B, H, D, E), splits = sizes
+    world_size, T = len(splits), sum(splits)
     q, k, v, s0 = random_inputs(B, H, T, D, E, dtype=dtype, device=device, seed=seed, initial_state=True)
     generator = torch.Generator().manual_seed(seed + 1)
     grad_o = torch.randn(B, H, T, E, generator=generator).to(device, dtype)
@@ -61,9 +70,9 @@ def _float64_gradients(q, k, v, s0, grad_o, grad_final):
     """o, S_T and d(q, k, v, S_0) of sum(o * grad_o) + sum(S_T * grad_final), float64 autograd."""
     from ttx_tutorial.references import quadratic
 
-    leaves = [x.detach().to("cpu", torch.float64).requires_grad_() for x in (q, k, v, s0)]
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
     o, final_state = quadratic(*leaves)
-    torch.autograd.backward((o, final_state), (grad_o.cpu().double(), grad_final.cpu().double()))
+    torch.autograd.backward((o, final_state), (grad_o.double(), grad_final.double()))
     return o.detach(), final_state.detach(), [x.grad for x in leaves]
 
 
@@ -71,23 +80,26 @@ _ELEMENT_SIZES = {"float": 4, "double": 8, "long int": 8}
 
 
 def _profiled_all_gathers(profile, world_size):
-    """(count, bytes this rank sent) of the all_gathers the profiler saw, from each one's input."""
+    """(count, bytes this rank sent, dtypes) of the all_gathers the profiler saw, from each one's
+    input; bytes None when a dtype's name is not known here."""
     seen = [event for event in profile.events() if event.name.endswith(":all_gather") and event.input_shapes]
-    sent = sum((world_size - 1) * math.prod(event.input_shapes[0]) * _ELEMENT_SIZES[event.input_dtypes[0]]
-               for event in seen)
-    return len(seen), sent
+    dtypes = [event.input_dtypes[0] for event in seen]
+    if not all(name in _ELEMENT_SIZES for name in dtypes):
+        return len(seen), None, dtypes
+    sent = sum((world_size - 1) * math.prod(event.input_shapes[0]) * _ELEMENT_SIZES[name]
+               for event, name in zip(seen, dtypes))
+    return len(seen), sent, dtypes
 
 
-def _run_case(case, rank, world_size, seed, device):
+def _run_case(case, sizes, rank, seed, device):
     import ttx_tutorial
     from ttx_tutorial import distributed
     from ttx_tutorial.testing import poisoned_allocations, relative_error
 
     name, method, dtype_name, with_s0, return_state = case
     dtype = getattr(torch, dtype_name)
-    q, k, v, s0, grad_o, grad_final = _case_inputs(world_size, seed, dtype, device)
-    start = sum(SPLITS[world_size][:rank])
-    part = slice(start, start + SPLITS[world_size][rank])
+    q, k, v, s0, grad_o, grad_final = _case_inputs(sizes, seed, dtype, device)
+    world_size, part = len(sizes[1]), _my_part(sizes, rank)
     # Views of the whole sequence: strided slices, as a caller would pass them.
     mine = [x[:, :, part].detach().requires_grad_() for x in (q, k, v)]
     my_s0 = s0.clone().requires_grad_() if with_s0 and rank == 0 else None
@@ -125,17 +137,18 @@ def _run_case(case, rank, world_size, seed, device):
             single[label] = relative_error(x.grad, ref)
         if with_s0:
             single["d initial state"] = relative_error(whole_s0.grad, ref_grads[3])
-    profiled_collectives, profiled_bytes = _profiled_all_gathers(profile, world_size)
+    profiled_collectives, profiled_bytes, profiled_dtypes = _profiled_all_gathers(profile, world_size)
     return {"errors": errors, "single_process": single, "bytes_sent": traffic.bytes_sent,
             "collectives": traffic.collectives, "profiled_collectives": profiled_collectives,
-            "profiled_bytes": profiled_bytes}
+            "profiled_bytes": profiled_bytes, "profiled_dtypes": profiled_dtypes}
 
 
-def _provoke(refusal, rank, world_size, seed, device):
+def _provoke(refusal, sizes, rank, seed, device):
     """Call with misuse on one rank (or disagreement between ranks); report what was raised."""
     from ttx_tutorial import distributed
 
-    q, k, v, s0, _, _ = _case_inputs(world_size, seed, torch.float32, device)
+    world_size = len(sizes[1])
+    q, k, v, s0, _, _ = _case_inputs(sizes, seed, torch.float32, device)
     part = slice(0, 3)
     q, k, v = (x[:, :, part] for x in (q, k, v))
     kwargs = {"method": "quadratic"}
@@ -168,18 +181,17 @@ def _worker(args):
     dist.init_process_group(args.backend, init_method=f"file://{args.rendezvous}", rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(seconds=120))
     cases = GPU_CASES if args.backend == "nccl" else CASES
+    sizes = SIZES[(args.backend, args.world_size)]
     report = {"cases": {}, "refusals": {}}
     for number, case in enumerate(cases):
-        report["cases"][case[0]] = _run_case(case, args.rank, args.world_size, args.seed + 10 * number,
-                                             device)
+        report["cases"][case[0]] = _run_case(case, sizes, args.rank, args.seed + 10 * number, device)
     for refusal in REFUSALS:
-        report["refusals"][refusal] = _provoke(refusal, args.rank, args.world_size, args.seed, device)
+        report["refusals"][refusal] = _provoke(refusal, sizes, args.rank, args.seed, device)
     # After every refusal the ranks are still in step: a plain call goes through.
     from ttx_tutorial import distributed
     from ttx_tutorial.testing import relative_error, reference
-    q, k, v, _, _, _ = _case_inputs(args.world_size, args.seed, torch.float32, device)
-    start = sum(SPLITS[args.world_size][:args.rank])
-    part = slice(start, start + SPLITS[args.world_size][args.rank])
+    q, k, v, _, _, _ = _case_inputs(sizes, args.seed, torch.float32, device)
+    part = _my_part(sizes, args.rank)
     o = distributed.causal_product(q[:, :, part], k[:, :, part], v[:, :, part], method="quadratic")
     report["after_refusals"] = relative_error(o, reference(q, k, v)[0][:, :, part])
     dist.destroy_process_group()
@@ -252,6 +264,7 @@ def test_communication_matches_the_formula(ranks):
     from ttx_tutorial.distributed import communication_bytes
 
     backend, world_size, _, reports = ranks
+    (B, H, D, E), _ = SIZES[(backend, world_size)]
     for name, _, dtype_name, _, return_state in _cases(ranks):
         expected = communication_bytes(B, H, D, E, world_size, dtype=getattr(torch, dtype_name),
                                        return_state=return_state, backward=True)
@@ -262,8 +275,10 @@ def test_communication_matches_the_formula(ranks):
             # gloo's collectives show their inputs to the profiler; NCCL's may not, on some versions.
             if backend == "gloo" or case["profiled_collectives"]:
                 assert case["profiled_collectives"] == 3, (name, rank)
-                assert case["profiled_bytes"] == expected, (name, rank)
+                assert case["profiled_bytes"] == expected, (name, rank, case["profiled_dtypes"])
     assert communication_bytes(B, H, D, E, world_size) == (world_size - 1) * (B * H * D * E * 4 + 8 * 8)
+    assert communication_bytes(B, H, D, E, world_size, return_state=True, backward=True,
+                               check_ranks=False) == (world_size - 1) * B * H * D * E * 4 * 3
 
 
 @pytest.mark.parametrize("refusal", REFUSALS)
