@@ -8,9 +8,9 @@ empty ones included. The state before rank r's first token is
 
 so a rank needs from the others only their (D x E) states L_j, never their tokens. Each rank
 computes its own L_r in float32 with batched matmuls over chunks of its tokens (no causal
-product: the order of the tokens inside a slice does not matter to their sum), the ranks exchange these states, every
-rank sums the ones before it into P_r, and runs the ordinary single-device
-:func:`ttx_tutorial.causal_product` on its slice from P_r. The state after the whole sequence,
+product: the order of the tokens inside a slice does not matter to their sum), the ranks
+exchange these states, every rank sums the ones before it into P_r, and runs the ordinary
+single-device :func:`ttx_tutorial.causal_product` on its slice from P_r. The state after the whole sequence,
 S_T = S_0 + sum_j L_j, comes out of the same exchange on every rank.
 
 Backward mirrors it. L_j reaches P_r of every later rank r > j and S_T of every rank, so its
