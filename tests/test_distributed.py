@@ -30,18 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SIZES = {("gloo", 2): ((1, 2, 6, 5), (7, 12)),
          ("gloo", 3): ((1, 2, 6, 5), (5, 0, 9)),
          ("nccl", 2): ((2, 3, 64, 48), (1500, 2596))}
-#: (name, method, dtype, initial state on rank 0, return_state)
+#: (name, method, dtype, initial state on rank 0, return_state, gradients into S_0 alone)
 CASES = [
-    ("recurrent-float32", "recurrent", "float32", True, True),
-    ("recurrent-bfloat16", "recurrent", "bfloat16", True, True),
-    ("chunked-float32", "chunked", "float32", True, True),
-    ("chunked-bfloat16", "chunked", "bfloat16", False, False),
-    ("quadratic-float32", "quadratic", "float32", True, False),
+    ("recurrent-float32", "recurrent", "float32", True, True, False),
+    ("recurrent-bfloat16", "recurrent", "bfloat16", True, True, False),
+    ("chunked-float32", "chunked", "float32", True, True, False),
+    ("chunked-bfloat16", "chunked", "bfloat16", False, False, False),
+    ("quadratic-float32", "quadratic", "float32", True, False, False),
+    # Only S_0 is trained: the other ranks' outputs still carry its gradient back to rank 0.
+    ("chunked-float32-state-only", "chunked", "float32", True, False, True),
 ]
-GPU_CASES = CASES + [("scan-bfloat16", "scan", "bfloat16", True, True)]
+GPU_CASES = CASES + [("scan-bfloat16", "scan", "bfloat16", True, True, False)]
 #: Misuse that every rank must refuse together; (name, the error each rank must raise).
 REFUSALS = ["mismatched-D", "mismatched-dtype", "initial-state-on-rank-1", "unknown-method-on-rank-0",
-            "gradients-on-some-ranks"]
+            "no-gradients-on-the-last-rank"]
 
 
 # ---------------------------------------------------------------- the worker: one rank
@@ -96,12 +98,12 @@ def _run_case(case, sizes, rank, seed, device):
     from ttx_tutorial import distributed
     from ttx_tutorial.testing import poisoned_allocations, relative_error
 
-    name, method, dtype_name, with_s0, return_state = case
+    name, method, dtype_name, with_s0, return_state, state_only = case
     dtype = getattr(torch, dtype_name)
     q, k, v, s0, grad_o, grad_final = _case_inputs(sizes, seed, dtype, device)
     world_size, part = len(sizes[1]), _my_part(sizes, rank)
     # Views of the whole sequence: strided slices, as a caller would pass them.
-    mine = [x[:, :, part].detach().requires_grad_() for x in (q, k, v)]
+    mine = [x[:, :, part].detach().requires_grad_(not state_only) for x in (q, k, v)]
     my_s0 = s0.clone().requires_grad_() if with_s0 and rank == 0 else None
     with torch.profiler.profile(record_shapes=True) as profile, \
             distributed.count_communication() as traffic, poisoned_allocations():
@@ -121,20 +123,22 @@ def _run_case(case, sizes, rank, seed, device):
     if return_state:
         errors["final state"] = relative_error(final_state, ref_state)
     for label, x, ref in zip(("dq", "dk", "dv"), mine, ref_grads):
-        errors[label] = relative_error(x.grad, ref[:, :, part])
+        if not state_only:
+            errors[label] = relative_error(x.grad, ref[:, :, part])
     if my_s0 is not None:
         errors["d initial state"] = relative_error(my_s0.grad, ref_grads[3])
 
     single = {}
     if rank == 0:  # the single-process result on the whole sequence, judged the same way
-        whole = [x.detach().requires_grad_() for x in (q, k, v)]
+        whole = [x.detach().requires_grad_(not state_only) for x in (q, k, v)]
         whole_s0 = s0.clone().requires_grad_() if with_s0 else None
         o_all, state_all = ttx_tutorial.causal_product(*whole, method, initial_state=whole_s0,
                                                        return_state=True)
         torch.autograd.backward((o_all, state_all), (grad_o, whole_grad_final))
         single = {"o": relative_error(o_all, ref_o), "final state": relative_error(state_all, ref_state)}
         for label, x, ref in zip(("dq", "dk", "dv"), whole, ref_grads):
-            single[label] = relative_error(x.grad, ref)
+            if not state_only:
+                single[label] = relative_error(x.grad, ref)
         if with_s0:
             single["d initial state"] = relative_error(whole_s0.grad, ref_grads[3])
     profiled_collectives, profiled_bytes, profiled_dtypes = _profiled_all_gathers(profile, world_size)
@@ -160,10 +164,11 @@ def _provoke(refusal, sizes, rank, seed, device):
         kwargs["initial_state"] = s0
     elif refusal == "unknown-method-on-rank-0" and rank == 0:
         kwargs["method"] = "fastest"
-    elif refusal == "gradients-on-some-ranks" and rank == 0:
-        k = k.detach().requires_grad_()
+    if refusal == "no-gradients-on-the-last-rank":
+        k = k.detach().requires_grad_(rank == 0)
     try:
-        distributed.causal_product(q, k, v, **kwargs)
+        with torch.set_grad_enabled(not (refusal == "no-gradients-on-the-last-rank" and rank == world_size - 1)):
+            distributed.causal_product(q, k, v, **kwargs)
     except (TypeError, ValueError) as error:
         return [type(error).__name__, str(error)]
     return None
@@ -245,11 +250,12 @@ def test_every_rank_matches_float64_as_one_process_does(ranks):
     from ttx_tutorial.testing import TOLERANCES
 
     _, world_size, seed, reports = ranks
-    for name, method, dtype_name, with_s0, return_state in _cases(ranks):
+    for name, method, dtype_name, with_s0, return_state, state_only in _cases(ranks):
         tolerance = TOLERANCES[getattr(torch, dtype_name)]
         for rank, report in enumerate(reports):
             errors = report["cases"][name]["errors"]
-            expected = {"o", "dq", "dk", "dv"} | ({"final state"} if return_state else set()) | (
+            expected = {"o"} | (set() if state_only else {"dq", "dk", "dv"}) | (
+                {"final state"} if return_state else set()) | (
                 {"d initial state"} if with_s0 and rank == 0 else set())
             assert set(errors) == expected, (name, rank)
             bad = {key: error for key, error in errors.items() if not error <= tolerance}
@@ -265,7 +271,7 @@ def test_communication_matches_the_formula(ranks):
 
     backend, world_size, _, reports = ranks
     (B, H, D, E), _ = SIZES[(backend, world_size)]
-    for name, _, dtype_name, _, return_state in _cases(ranks):
+    for name, _, dtype_name, _, return_state, _ in _cases(ranks):
         expected = communication_bytes(B, H, D, E, world_size, dtype=getattr(torch, dtype_name),
                                        return_state=return_state, backward=True)
         for rank, report in enumerate(reports):
@@ -276,7 +282,7 @@ def test_communication_matches_the_formula(ranks):
             if backend == "gloo" or case["profiled_collectives"]:
                 assert case["profiled_collectives"] == 3, (name, rank)
                 assert case["profiled_bytes"] == expected, (name, rank, case["profiled_dtypes"])
-    assert communication_bytes(B, H, D, E, world_size) == (world_size - 1) * (B * H * D * E * 4 + 8 * 8)
+    assert communication_bytes(B, H, D, E, world_size) == (world_size - 1) * (B * H * D * E * 4 + 9 * 8)
     assert communication_bytes(B, H, D, E, world_size, return_state=True, backward=True,
                                check_ranks=False) == (world_size - 1) * B * H * D * E * 4 * 3
 
@@ -293,8 +299,8 @@ def test_misuse_raises_on_every_rank(ranks, refusal):
         "mismatched-dtype": {rank: ("TypeError", "disagree on the dtype") for rank in range(world_size)},
         "initial-state-on-rank-1": {1: ("ValueError", "pass it on rank 0 and None on the others")},
         "unknown-method-on-rank-0": {0: ("ValueError", "unknown method 'fastest'")},
-        "gradients-on-some-ranks": {rank: ("ValueError", "whether gradients flow into k, v")
-                                    for rank in range(world_size)},
+        "no-gradients-on-the-last-rank": {rank: ("ValueError", "run without gradients")
+                                          for rank in range(world_size)},
     }[refusal]
     for rank, (kind, message) in enumerate(raised):
         want_kind, want_message = expected.get(rank, others)

@@ -28,12 +28,12 @@ slice's own activations for the few ranks one node holds (128 KiB a rank at B*H 
 D = E = 64 on two GPUs). :func:`communication_bytes` gives the formula and
 :func:`count_communication` measures it.
 
-Every rank calls :func:`causal_product` with the same B, H, D, E, dtype, ``return_state`` and
-gradient requirements, and, when gradients flow into k, v or the initial state, every rank
-runs the backward (each rank's loss must depend on its output): the exchanges are
-collectives. Before the first exchange the ranks compare those properties (one small
-all_gather) so that a mismatch, or bad input on any rank, raises the same error on every rank
-instead of leaving the others waiting in a collective.
+Every rank calls :func:`causal_product` with the same B, H, D, E, dtype and ``return_state``.
+When gradients flow into k, v or the initial state on any rank, every rank's output requires a
+gradient (the start of a slice depends on the earlier ones) and every rank runs the backward
+through it: the exchanges are collectives. Before the first exchange the ranks compare those
+properties (one small all_gather), so that a mismatch, or bad input on any rank, raises the
+same error on every rank instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = ["Traffic", "causal_product", "communication_bytes", "count_communicat
 #: Dtype codes exchanged between ranks to compare the inputs' dtypes (position in this tuple).
 _DTYPE_CODES = REFERENCE_DTYPES
 #: What each rank tells the others before the first exchange, in this order (int64 values).
-_SUMMARY_FIELDS = ("B", "H", "D", "E", "dtype", "return_state", "needs_backward", "refused")
+_SUMMARY_FIELDS = ("B", "H", "D", "E", "dtype", "return_state", "grad_enabled", "needs_backward", "refused")
 
 
 @dataclass
@@ -90,7 +90,7 @@ def communication_bytes(B: int, H: int, D: int, E: int, world_size: int, *, dtyp
     ``backward=True``: a backward that reaches k, v or the initial state).
 
     The forward exchanges one (B, H, D, E) state a rank (float32; float64 for float64 inputs),
-    preceded with ``check_ranks`` by a summary of 8 int64 values; the backward exchanges the
+    preceded with ``check_ranks`` by a summary of 9 int64 values; the backward exchanges the
     gradient of the state before each slice, and with ``return_state`` that of the final state
     too. Each all_gather of n bytes a rank sends (P - 1) * n. Independent of T.
     """
@@ -240,16 +240,18 @@ def _check_local(q, k, v, initial_state, return_state, method, group, rank):
                          f"rank 0 holds: pass it on rank 0 and None on the others (this is rank {rank})")
 
 
-def _summary(q, v, initial_state, return_state, own_needs_grad, refused) -> list[int]:
+def _summary(q, v, return_state, needs_backward, refused) -> list[int]:
     if refused:
         return [0] * (len(_SUMMARY_FIELDS) - 1) + [1]
     B, H, _, D = q.shape
-    return [B, H, D, v.shape[-1], _DTYPE_CODES.index(q.dtype), int(return_state), int(own_needs_grad), 0]
+    return [B, H, D, v.shape[-1], _DTYPE_CODES.index(q.dtype), int(return_state),
+            int(torch.is_grad_enabled()), int(needs_backward), 0]
 
 
-def _agree(summary: list[int], own_refusal, group, device) -> None:
-    """Raise on every rank unless no rank refused its inputs and all ranks' summaries agree;
-    a rank that refused raises its own error."""
+def _agree(summary: list[int], own_refusal, group, device) -> bool:
+    """Raise on every rank unless no rank refused its inputs and all ranks' summaries agree
+    (a rank that refused raises its own error). Returns whether gradients flow into k, v or
+    the initial state on any rank: then every rank takes part in the backward's exchange."""
     gathered = _all_gather(torch.tensor(summary, dtype=torch.int64, device=device), group).tolist()
     if own_refusal is not None:
         raise own_refusal
@@ -271,9 +273,13 @@ def _agree(summary: list[int], own_refusal, group, device) -> None:
     disagree(lambda row: str(_DTYPE_CODES[row["dtype"]]).replace("torch.", ""), "the dtype of q, k, v",
              TypeError)
     disagree(lambda row: bool(row["return_state"]), "return_state")
-    disagree(lambda row: "yes" if row["needs_backward"] else "no",
-             "whether gradients flow into k, v or initial_state (the backward's exchange needs every "
-             "rank or none)")
+    needing = [rank for rank, row in enumerate(rows) if row["needs_backward"]]
+    without = [rank for rank, row in enumerate(rows) if not row["grad_enabled"]]
+    if needing and without:
+        raise ValueError(f"rank(s) {without} run without gradients (torch.no_grad or inference mode) while "
+                         f"gradients flow into k, v or initial_state on rank(s) {needing}: the backward's "
+                         "exchange needs every rank, so every rank runs with gradients enabled")
+    return bool(needing)
 
 
 def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
@@ -297,12 +303,16 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         method: the single-device method each rank runs on its slice (see
             :func:`ttx_tutorial.causal_product`); "auto" lets each rank choose for its slice.
         check_ranks: compare B, H, D, E, dtype, ``return_state`` and gradient requirements
-            across ranks before the first exchange (one all_gather of 8 int64 values a rank,
+            across ranks before the first exchange (one all_gather of 9 int64 values a rank,
             and on NCCL-only groups a wait for the GPU to read them back). False skips it:
-            mismatched ranks then fail inside the collectives or wait in them.
+            mismatched ranks then fail inside the collectives or wait in them, and gradients
+            must reach k, v or initial_state on every rank or on none.
 
     Returns:
         This rank's o, (B, H, T_r, E) in the inputs' dtype, or ``(o, S_T)`` with ``return_state``.
+        When gradients flow into k, v or initial_state on any rank, o requires a gradient on every
+        rank, and every rank must run the backward through its outputs (its loss must depend on
+        them): the backward's exchange is a collective.
 
     Raises:
         ValueError / TypeError: bad input on any rank, or ranks that disagree, raise on every
@@ -320,12 +330,17 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         refusal = error
     needs_backward = refusal is None and torch.is_grad_enabled() and (
         k.requires_grad or v.requires_grad or (initial_state is not None and initial_state.requires_grad))
+    exchange_gradients = needs_backward
     if check_ranks:
-        _agree(_summary(q, v, initial_state, return_state, needs_backward, refusal is not None), refusal,
-               group, _summary_device(group))
+        exchange_gradients = _agree(_summary(q, v, return_state, needs_backward, refusal is not None),
+                                    refusal, group, _summary_device(group))
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # L_r: this slice's tokens summed into one state; the order inside the slice does not matter.
     own = _SliceState.apply(k, v, state_dtype)
+    if exchange_gradients and not own.requires_grad:
+        # Another rank's k, v or S_0 needs the gradient of this rank's starting state: join the
+        # backward's exchange through a leaf whose own gradient nobody reads.
+        own = own.detach().requires_grad_()
     if initial_state is not None:  # rank 0: S_0 enters every later start and the final state
         initial_state = initial_state.to(state_dtype)
         own = own + initial_state
