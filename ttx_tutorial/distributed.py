@@ -39,6 +39,7 @@ same error on every rank instead of leaving the others waiting in a collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     return gathered
 
 
-#: Elements of k or v upcast at a time to sum a slice's state: the float32 copies stay near 64 MB.
+#: Elements of k or v taken at a time to sum a slice's state: float32 copies stay near 64 MB.
 _UPCAST_ELEMENTS = 2**24
 
 
@@ -127,9 +128,32 @@ def _token_chunks(k, v):
     return [slice(start, start + step) for start in range(0, T, step)]
 
 
+@functools.lru_cache(maxsize=None)  # a probe: asked once per device and dtype
+def _tensor_cores_accumulate_to_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` takes 16-bit operands here (CUDA, in
+    the PyTorch versions that offer it)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        probe = torch.ones(1, 1, 1, dtype=dtype, device=device)
+        return torch.bmm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _product_in(a, b, dtype):
+    """a @ b over the last two dimensions, in ``dtype``. 16-bit operands go to the tensor cores
+    with float32 accumulation where PyTorch offers it: their products are exact in float32, so
+    the result is what the upcast operands give, without float32 copies or float32 arithmetic."""
+    if dtype == torch.float32 and _tensor_cores_accumulate_to_float32(a.device, a.dtype):
+        product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=dtype)
+        return product.view(*a.shape[:-2], a.shape[-2], b.shape[-1])
+    return a.to(dtype) @ b.to(dtype)
+
+
 class _SliceState(torch.autograd.Function):
     """L = K^T V = sum_t k_t v_t^T over this rank's slice, in ``state_dtype``, a chunk of tokens at
-    a time: k and v are saved as they are, and their upcast copies stay small (a long slice is
+    a time: k and v are saved as they are, and any upcast copies stay small (a long slice is
     what context parallelism is for)."""
 
     @staticmethod
@@ -139,20 +163,27 @@ class _SliceState(torch.autograd.Function):
         B, H, _, D = k.shape
         state = torch.zeros(B, H, D, v.shape[-1], dtype=state_dtype, device=k.device)
         for part in _token_chunks(k, v):
-            state += k[:, :, part].to(state_dtype).transpose(-2, -1) @ v[:, :, part].to(state_dtype)
+            state += _product_in(k[:, :, part].transpose(-2, -1), v[:, :, part], state_dtype)
         return state
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_state):
         k, v = ctx.saved_tensors
+        # dk_t = G v_t and dv_t = G^T k_t, G the state's gradient. bfloat16 inputs take G in
+        # bfloat16 (float32's range; the gradients are bfloat16 anyway); float16's range could
+        # not hold G, a sum over every later token, so float16 and float32 compute in float32.
+        if k.dtype == torch.bfloat16:
+            grad_state, compute_dtype = grad_state.to(torch.bfloat16), torch.bfloat16
+        else:
+            compute_dtype = ctx.state_dtype
         grad_k = torch.empty_like(k) if ctx.needs_input_grad[0] else None
         grad_v = torch.empty_like(v) if ctx.needs_input_grad[1] else None
-        for part in _token_chunks(k, v):  # dk_t = G v_t and dv_t = G^T k_t, G the state's gradient
+        for part in _token_chunks(k, v):
             if grad_k is not None:
-                grad_k[:, :, part] = v[:, :, part].to(ctx.state_dtype) @ grad_state.transpose(-2, -1)
+                grad_k[:, :, part] = v[:, :, part].to(compute_dtype) @ grad_state.transpose(-2, -1)
             if grad_v is not None:
-                grad_v[:, :, part] = k[:, :, part].to(ctx.state_dtype) @ grad_state
+                grad_v[:, :, part] = k[:, :, part].to(compute_dtype) @ grad_state
         return grad_k, grad_v, None
 
 
