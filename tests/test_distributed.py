@@ -41,7 +41,7 @@ CASES = [
     ("chunked-float32-state-only", "chunked", "float32", True, False, True),
 ]
 GPU_CASES = CASES + [("scan-bfloat16", "scan", "bfloat16", True, True, False)]
-#: Misuse that every rank must refuse together; (name, the error each rank must raise).
+#: Misuse on one rank, or ranks that disagree: every rank must raise (what, in the test below).
 REFUSALS = ["mismatched-D", "mismatched-dtype", "initial-state-on-rank-1", "unknown-method-on-rank-0",
             "no-gradients-on-the-last-rank"]
 
