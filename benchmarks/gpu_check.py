@@ -19,7 +19,7 @@ Timing against T, the side-by-side table of every method and peer, and the copy 
 ``python -m ttx_tutorial.bench``'s. Timings are medians of ``triton.testing.do_bench``; inputs
 are bfloat16 with q, k ~ N(0, 1)/sqrt(D) and v ~ N(0, 1), layout (B, H, T, D) (fla gets
 (B, T, H, D), transposed outside the timed region, called with scale=1.0, normalize=False).
-Output: ``<gpu>.json`` in ``--out``, in ``ttx_tutorial/data``'s format, every row naming its
+Output: ``<gpu>.json`` in ``--out``, in ``ttx_tutorial/course/data``'s format, every row naming its
 recording: date, GPU, versions and this command line.
 """
 
@@ -43,7 +43,7 @@ import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
-from ttx_tutorial.notebook import recording_name  # noqa: E402
+from ttx_tutorial.course.figures import recording_name  # noqa: E402
 from ttx_tutorial.bench import REFERENCE_SHAPES, graph_ms, host_us, parse_shapes  # noqa: E402
 
 KERNEL_METHODS = ["recurrent", "chunked", "scan"]
@@ -65,7 +65,7 @@ def load_fla():
 
 def kernel_function(method):
     """The kernel file's entry for checked inputs, the function the API calls (it takes ``config``)."""
-    return ttx_tutorial.method_info(method).load()
+    return ttx_tutorial.method_info(method).function
 
 
 def kernel_file(method):
@@ -80,7 +80,7 @@ class Recorder:
         self.rows = []
         self.path = path
         self.env = env
-        # Every row names its recording by date, GPU, versions and command, as in ttx_tutorial/data.
+        # Every row names its recording by date, GPU, versions and command, as in ttx_tutorial/course/data.
         self.recording = recording_name(env, env["command"])
 
     def save(self):

@@ -21,7 +21,7 @@ from ttx_tutorial import bench
 from ttx_tutorial.testing import TOLERANCES, poisoned_allocations
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "ttx_tutorial" / "data" / "h200.json"
+DATA = ROOT / "ttx_tutorial" / "course" / "data" / "h200.json"
 
 
 @pytest.fixture(scope="module")

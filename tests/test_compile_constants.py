@@ -12,23 +12,19 @@ constant-folded launch there is, in a child process with the interpreter off.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import ttx_tutorial
+from ttx_tutorial.testing import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 TRITON_METHODS = tuple(m for m in ttx_tutorial.METHODS if ttx_tutorial.method_info(m).is_triton)
 
 _CHILD = r"""
-import importlib, json, sys
+import inspect, json, sys
 import ttx_tutorial
-from ttx_tutorial import compiler
-module = importlib.import_module(ttx_tutorial.method_info(sys.argv[1]).target.split(":")[0])
+from ttx_tutorial.course import compiler
+module = inspect.getmodule(ttx_tutorial.method_info(sys.argv[1]).function)
 seen, results = set(), []
 for variant in module.launch_variants():
     name = variant["kernel"].fn.__name__ if hasattr(variant["kernel"], "fn") else variant["kernel"].__name__
@@ -48,9 +44,7 @@ print(json.dumps(results))
 
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_every_kernel_compiles_with_its_integers_as_constants(method):
-    env = dict(os.environ, TRITON_INTERPRET="0", TTX_TUTORIAL_DEVICE="cuda")
-    child = subprocess.run([sys.executable, "-c", _CHILD, method], capture_output=True, text=True,
-                           cwd=ROOT, env=env, timeout=900)
+    child = run_python(_CHILD, method)
     assert child.returncode == 0, child.stderr[-4000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
     assert results, f"{method}: launch_variants() listed no kernel"

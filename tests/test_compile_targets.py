@@ -3,7 +3,7 @@
 Triton's CPU interpreter accepts code that the GPU compiler refuses (a ``tl.dot`` on a block
 smaller than 16, a shape it cannot lay out, too much shared memory). So each entry of every
 kernel file's ``launch_variants()`` (docs/CONTRIBUTING.md) is compiled here for sm_80 (A100) and
-sm_90 (H100/H200) with ``ttx_tutorial.compiler``: ``triton.compile`` with a ``GPUTarget``, the
+sm_90 (H100/H200) with ``ttx_tutorial.course.compiler``: ``triton.compile`` with a ``GPUTarget``, the
 whole pipeline down to ``ptxas``, no GPU needed. Each compiled kernel's shared memory must fit
 the target's per-block limit.
 
@@ -21,7 +21,7 @@ compile something other than what runs.
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -43,7 +43,7 @@ CHILD_TIMEOUT_S = 3600
 
 
 def kernel_module(method):
-    return importlib.import_module(ttx_tutorial.method_info(method).target.split(":")[0])
+    return inspect.getmodule(ttx_tutorial.method_info(method).function)
 
 
 def kernel_name(kernel) -> str:
@@ -259,7 +259,7 @@ def _compile_shard(method, shard, shards, targets):
     ``shard`` on, and print the results as JSON."""
     import time
 
-    from ttx_tutorial import compiler
+    from ttx_tutorial.course import compiler
 
     assert not ttx_tutorial.INTERPRETED, "the compile child must run without the interpreter"
     variants = kernel_module(method).launch_variants()

@@ -37,7 +37,7 @@ Output in ``--out``: ``bench.csv``, ``bench.json`` (the environment and every ro
 after each row while the run lasts, with ``"complete": false``) and PNG plots, per part and
 dtype: time per call against T (the sweep) or per shape, and the achieved bandwidth against the
 copy ceiling. ``--record FILE`` merges the rows into a recorded-data file (the
-format of ``ttx_tutorial/data/h200.json``) as one recording named by date, device, versions and
+format of ``ttx_tutorial/course/data/h200.json``) as one recording named by date, device, versions and
 command, see :func:`record`.
 """
 
@@ -534,7 +534,7 @@ def figure_rows(recorded: dict) -> list[list[dict]]:
     "precision" rows; notebooks/05: the sweep of the newest recording with a bfloat16 scan
     sweep, one table per recording of "shapes" rows, and the "overhead" rows.
     """
-    from ttx_tutorial.notebook import latest_recording, rows_of_one_recording
+    from ttx_tutorial.course.figures import latest_recording, rows_of_one_recording
 
     sweep_03 = dict(part="sweep", mode="fwd", shape_prefix=(1, 8), shape_suffix=(64, 64))
     sweep_05 = dict(sweep_03, dtype="bf16")
@@ -563,14 +563,14 @@ def record(path: Path, rows: list[dict], env: dict, note: str | None = None) -> 
     """Merge ``rows`` into the recorded-data file at ``path`` as one recording, current rows only.
 
     The recording is named by date, device, versions and command
-    (``ttx_tutorial.notebook.recording_name``) and listed last (the file lists them oldest
+    (``ttx_tutorial.course.figures.recording_name``) and listed last (the file lists them oldest
     first); a recording of the same name made before is replaced. A file holds the figures of
     one device: rows of another are refused. An older row measured again
     (same part, shape, method, mode, dtype and config) is dropped, and so is every older row
     that no notebook figure reads any more (:func:`figure_rows`): git history keeps them.
     Rows that were skipped or failed are not recorded.
     """
-    from ttx_tutorial.notebook import recording_name
+    from ttx_tutorial.course.figures import recording_name
 
     name = recording_name(env, env["command"])
     if path.exists():
@@ -630,7 +630,7 @@ def environment(command: str, copy_TBps: float) -> dict:
     env = {"gpu": gpu, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "date": datetime.date.today().isoformat(), "fla": fla,
            "command": command, "copy_TBps": copy_TBps}
-    from ttx_tutorial.notebook import recording_name
+    from ttx_tutorial.course.figures import recording_name
 
     env["recording"] = recording_name(env, command)
     return env
