@@ -5,11 +5,7 @@ copy of the recorded data and keeps that file's invariants and every notebook fi
 import csv
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +14,7 @@ import torch
 import test_recorded_data as recorded_invariants
 import ttx_tutorial
 from ttx_tutorial import bench
-from ttx_tutorial.testing import TOLERANCES, poisoned_allocations
+from ttx_tutorial.testing import TOLERANCES, poisoned_allocations, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "ttx_tutorial" / "course" / "data" / "h200.json"
@@ -28,17 +24,16 @@ DATA = ROOT / "ttx_tutorial" / "course" / "data" / "h200.json"
 def quick_run(tmp_path_factory):
     """One quick run in a fresh process in CPU mode, recording into a copy of the data file."""
     folder = tmp_path_factory.mktemp("bench")
-    data = folder / "recorded.json"
-    shutil.copy(DATA, data)
-    # A file holds one device's figures: this copy stands for the CPU's (and keeps the GPU's rows).
-    copy = json.loads(data.read_text())
+    # A copy of the recorded data. A file holds one device's figures: this copy stands for the
+    # CPU's, and keeps the GPU's rows.
+    copy = json.loads(DATA.read_text())
     copy["env"]["gpu"] = bench.CPU_DEVICE
+    data = folder / "recorded.json"
     data.write_text(json.dumps(copy))
-    env = {**os.environ, "TTX_TUTORIAL_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-m", "ttx_tutorial.bench", "--quick", "--out", str(folder / "out"),
-                             "--record", str(data)], env=env, cwd=folder, capture_output=True, text=True,
-                            timeout=300)
+    # As `python -m ttx_tutorial.bench --quick ...` in CPU mode.
+    result = run_python("import runpy; runpy.run_module('ttx_tutorial.bench', run_name='__main__')",
+                        "--quick", "--out", str(folder / "out"), "--record", str(data), timeout=300,
+                        TTX_TUTORIAL_DEVICE="cpu")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((folder / "out" / "bench.json").read_text())
     return folder, report, json.loads(data.read_text()), result.stdout
