@@ -59,18 +59,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _feature(x, FEATURE_MAP: tl.constexpr):
-    """phi(x) in float32 for the named maps."""
-    if FEATURE_MAP == "elu":
-        # elu(x) + 1 without the cancellation of (exp(x) - 1) + 1 for negative x.
-        return tl.where(x > 0, x + 1.0, tl.exp(x))
-    elif FEATURE_MAP == "relu":
-        return tl.maximum(x, 0.0)
-    else:
-        return x
-
-
-@triton.jit
 def step_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, D), (B, H, D), (B, H, E), (B, H, E) contiguous
     state_ptr,  # (B, H, D, E + NORMALIZE) float32, contiguous; updated in place
@@ -99,17 +87,28 @@ def step_kernel(
     b_v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_e.to(tl.int64) * stride_ve,
                   mask=mask_e, other=0.0).to(tl.float32)
     state_head_ptr = state_ptr + pid_bh * D * state_cols
-    b_numerator = tl.zeros([BLOCK_E], dtype=tl.float32)
-    b_denominator = tl.zeros([BLOCK_D], dtype=tl.float32)  # summed over D after the loop
+    # tl.full, not tl.zeros: a library @triton.jit function costs the interpreter a re-patch per call.
+    b_numerator = tl.full([BLOCK_E], 0.0, tl.float32)
+    b_denominator = tl.full([BLOCK_D], 0.0, tl.float32)  # summed over D after the loop
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         offs_d64 = offs_d.to(tl.int64)
         b_q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d64 * stride_qd, mask=mask_d, other=0.0)
         b_k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d64 * stride_kd, mask=mask_d, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+        # phi, written here rather than in a helper: the interpreter's cost of a call to a
+        # @triton.jit helper is most of the step's time in CPU mode.
+        if FEATURE_MAP == "elu":  # elu(x) + 1, without the cancellation of (exp(x) - 1) + 1
+            b_q = tl.where(b_q > 0, b_q + 1.0, tl.exp(b_q))
+            b_k = tl.where(b_k > 0, b_k + 1.0, tl.exp(b_k))
+        elif FEATURE_MAP == "relu":
+            b_q = tl.maximum(b_q, 0.0)
+            b_k = tl.maximum(b_k, 0.0)
         # Selected after the map: elu(0) + 1 = 1 would give the padded rows weight.
-        b_q = tl.where(mask_d, _feature(b_q.to(tl.float32), FEATURE_MAP), 0.0)
-        b_k = tl.where(mask_d, _feature(b_k.to(tl.float32), FEATURE_MAP), 0.0)
+        b_q = tl.where(mask_d, b_q, 0.0)
+        b_k = tl.where(mask_d, b_k, 0.0)
         state_row_ptr = state_head_ptr + offs_d64 * state_cols
         mask_s = mask_d[:, None] & mask_e[None, :]
         s_tile_ptr = state_row_ptr[:, None] + offs_e[None, :]
