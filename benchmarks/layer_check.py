@@ -15,6 +15,8 @@ Rows (bfloat16; (B, H, T, D = E) = (8, 16, 4096, 64) on a GPU, (1, 2, 64, 16) in
   step             linear_attention_step (one launch of kernels/step.py) at (B, H, D, E) =
                    (8, 16, 64, 64) ((2, 2, 16, 16) in CPU mode), elu features, normalised
   step_pytorch     the same step as PyTorch operations (state update, product, normaliser)
+  step_host        the step's wrappers alone: linear_attention_step with the kernel launch
+                   replaced by a no-op (checks, output allocation, launch plan), per call
 Each row: "ms" (median of triton.testing.do_bench of one call, host included; the median wall
 time in CPU mode) and, on a GPU, "gpu_ms" (the same call replayed from a CUDA graph, or for the
 compiled rows the kernels' busy time). The step rows' "ms" is instead the wall time of 2000
@@ -44,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
 from ttx_tutorial.benchmark import time_ms  # noqa: E402
+from ttx_tutorial.kernels import step as step_kernels  # noqa: E402
 from ttx_tutorial.testing import random_inputs, relative_error  # noqa: E402
 
 ON_GPU = ttx_tutorial.on_gpu()
@@ -129,6 +132,13 @@ def load_fla():
 
 def phi(x):
     return torch.nn.functional.elu(x) + 1
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def pytorch_step(q, k, v, state, eps=1e-6):
@@ -223,18 +233,28 @@ def main():
     # One generation step: (B, H, D) queries and keys, (B, H, E) values, state (B, H, D, E + 1).
     sb, sh, sd = step_shape
     sq, sk, sv = (x[:, :, 0] for x in random_inputs(sb, sh, 1, sd, dtype=dtype, seed=1))
-    states = {name: torch.zeros(sb, sh, sd, sd + 1, dtype=torch.float32, device=ttx_tutorial.DEVICE)
-              for name in ("step", "step_pytorch")}
+    # The state of a 100-token prompt (from zeros, every output would be about v itself).
+    _, prompt_state = ttx_tutorial.causal_linear_attention(
+        *random_inputs(sb, sh, 100, sd, dtype=torch.float32, seed=2), method="quadratic", return_state=True)
+    states = {name: prompt_state.clone() for name in ("step", "step_pytorch")}
     steps = {"step": lambda: ttx_tutorial.linear_attention_step(sq, sk, sv, states["step"]),
              "step_pytorch": lambda: pytorch_step(sq, sk, sv, states["step_pytorch"])}
     expected_step = pytorch_step(sq.double().cpu(), sk.double().cpu(), sv.double().cpu(),
-                                 torch.zeros(sb, sh, sd, sd + 1, dtype=torch.float64))
+                                 prompt_state.double().cpu())
     step_samples = {}
     with torch.no_grad():  # the step is inference only
         step_errors = {name: relative_error(fn(), expected_step) for name, fn in steps.items()}
         for _ in range(args.rounds):
             for name, fn in steps.items():
                 step_samples.setdefault(name, []).append((loop_ms(fn), graph_ms(fn)))
+        # The wrappers' share of a call: everything but Triton's launcher and the kernel.
+        real_kernel = step_kernels.step_kernel
+        step_kernels.step_kernel = _NoLaunch()
+        try:
+            step_samples["step_host"] = [(loop_ms(steps["step"]), None) for _ in range(args.rounds)]
+        finally:
+            step_kernels.step_kernel = real_kernel
+        step_errors["step_host"] = None
     for name, samples in step_samples.items():
         gpus = [s[1] for s in samples if s[1] is not None]
         rows.append({"name": name, "mode": "fwd", "shape": [sb, sh, 1, sd, sd], "dtype": "bf16",
