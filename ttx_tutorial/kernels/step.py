@@ -106,8 +106,8 @@ def step_kernel(
         elif FEATURE_MAP == "relu":
             b_q = tl.maximum(b_q, 0.0)
             b_k = tl.maximum(b_k, 0.0)
-        # Selected after the map: elu(0) + 1 = 1 would give the padded rows weight.
-        b_q = tl.where(mask_d, b_q, 0.0)
+        # Padded rows (d >= D) load as 0, which elu + 1 maps to 1: zeroing phi(k) there keeps
+        # those rows of the tile zero (their state loads as 0), so phi(q) needs no mask.
         b_k = tl.where(mask_d, b_k, 0.0)
         state_row_ptr = state_head_ptr + offs_d64 * state_cols
         mask_s = mask_d[:, None] & mask_e[None, :]
