@@ -283,38 +283,44 @@ import json, sys
 import ttx_tutorial
 from ttx_tutorial import compiler
 from ttx_tutorial.kernels import step
-results = []
+shard, shards, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 variants = step.launch_variants()
-for target in sys.argv[1:]:
-    for variant in variants:
-        result = compiler.compile_variant(variant, target=target)
-        results.append({"variant": str(variant["constexprs"]) + " " + variant["signature"]["q_ptr"],
-                        "target": target, "ok": result.ok, "message": result.message,
-                        "shared": result.shared_bytes,
-                        "limit": compiler.target_facts(target).max_shared_bytes_per_block})
-# The launcher makes integer arguments equal to 1 constants: the most folded launch of one variant.
-variant = variants[0]
-signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
-for name, kind in variant["signature"].items():
-    if kind == "i32":
-        signature[name], constexprs[name] = "constexpr", 1
-result = compiler.compile_for_target(step.step_kernel, signature, constexprs, target="sm_90",
-                                     num_warps=variant["num_warps"], num_stages=variant["num_stages"])
-results.append({"variant": "integers as constants", "target": "sm_90", "ok": result.ok,
-                "message": result.message, "shared": 0, "limit": 1})
+results = []
+for index, target in [(i, t) for i in range(len(variants)) for t in targets][shard::shards]:
+    variant = variants[index]
+    result = compiler.compile_variant(variant, target=target)
+    results.append({"variant": f"{variant['constexprs']} {variant['signature']['q_ptr']}", "target": target,
+                    "ok": result.ok, "message": result.message, "shared": result.shared_bytes,
+                    "limit": compiler.target_facts(target).max_shared_bytes_per_block})
+if shard == 0:  # the launcher makes integer arguments equal to 1 constants: the most folded launch
+    variant = variants[0]
+    signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
+    for name, kind in variant["signature"].items():
+        if kind == "i32":
+            signature[name], constexprs[name] = "constexpr", 1
+    result = compiler.compile_for_target(step.step_kernel, signature, constexprs, target="sm_90",
+                                         num_warps=variant["num_warps"], num_stages=variant["num_stages"])
+    results.append({"variant": "integers as constants", "target": "sm_90", "ok": result.ok,
+                    "message": result.message, "shared": 0, "limit": 1})
 print(json.dumps(results))
 """
 
 
 def test_every_launch_variant_compiles_for_sm80_and_sm90():
-    """The interpreter accepts code a GPU refuses: compile each variant for real targets, in a
-    child process with the interpreter off (as tests/test_compile_targets.py does)."""
+    """The interpreter accepts code a GPU refuses: compile each variant for real targets, in child
+    processes with the interpreter off (as tests/test_compile_targets.py does), one per CPU core
+    (``TTX_COMPILE_JOBS``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TTX_TUTORIAL_DEVICE": "cuda",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, "sm_80", "sm_90"], capture_output=True,
-                           text=True, cwd=ROOT, env=env, timeout=1800)
-    assert child.returncode == 0, child.stderr[-4000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    jobs = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
+    children = [subprocess.Popen([sys.executable, "-c", _COMPILE_CHILD, str(shard), str(jobs), "sm_80", "sm_90"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                for shard in range(jobs)]
+    results = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=1800)
+        assert child.returncode == 0, stderr[-4000:]
+        results += json.loads(stdout.strip().splitlines()[-1])
     assert len(results) == 2 * len(step.launch_variants()) + 1
     failures = [f"{r['variant']} on {r['target']}: {r['message']}" for r in results if not r["ok"]]
     assert not failures, "\n".join(failures[:5])
