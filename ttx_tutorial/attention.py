@@ -176,8 +176,10 @@ class CausalLinearAttention(nn.Module):
     Generation: ``forward(prompt, return_state=True)`` processes a prompt in parallel (prefill)
     and returns the state (B, H, head_dim, head_dim + 1) float32 next to the output; then
     ``step(x_t, state)`` takes one token (B, dim), updates the state in place and returns the
-    token's output (B, dim), in time and memory independent of how many tokens came before.
-    ``initial_state(batch)`` gives the empty state to start from without a prompt.
+    token's output (B, dim), in time and memory independent of how many tokens came before
+    (:func:`linear_attention_step`: one kernel launch; inference only, so generate under
+    ``torch.no_grad()``). ``initial_state(batch)`` gives the empty state to start from without
+    a prompt.
     """
 
     def __init__(self, dim, heads, *, head_dim=None, feature_map="elu", eps=1e-6, method=AUTO,
@@ -224,7 +226,8 @@ class CausalLinearAttention(nn.Module):
                            device=device)
 
     def step(self, x, state):
-        """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place."""
+        """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place. Inference
+        only: under autograd the weights require grad and :func:`linear_attention_step` refuses."""
         if x.dim() != 2:
             raise ValueError(f"x must have 2 dimensions (batch, dim) for one token, got shape {tuple(x.shape)}")
         expected = (x.shape[0], self.heads, self.head_dim, self.head_dim + 1)
