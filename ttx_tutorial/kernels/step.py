@@ -42,9 +42,13 @@ Tested
     GPU with Triton 3.9 (``tests/test_step.py``); written for Triton 3.6 on an H200.
 
 Fragile
-    * The host cost of a call (argument checks, Triton's launcher) exceeds the GPU's time: keep
-      ``_run_validated`` free of per-call Python beyond the launch; capture the step in a CUDA
-      graph to remove the host.
+    * The host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
+      ``step_update`` runs the full checks once per signature of its arguments (shapes, dtypes,
+      devices, options) and only what can change between calls of one signature (contiguity of
+      the state, autograd) every time. Capture the step in a CUDA graph to remove the host.
+    * Under the interpreter every call of a library ``@triton.jit`` function (``tl.sum``,
+      ``tl.zeros``) re-patches triton.language, a large part of a CPU-mode step: the kernel
+      calls ``tl.sum`` twice and no helper of its own.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def step_kernel(
     b_v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_e.to(tl.int64) * stride_ve,
                   mask=mask_e, other=0.0).to(tl.float32)
     state_head_ptr = state_ptr + pid_bh * D * state_cols
-    # tl.full, not tl.zeros: a library @triton.jit function costs the interpreter a re-patch per call.
+    # tl.full, not tl.zeros: see "Fragile" on the interpreter.
     b_numerator = tl.full([BLOCK_E], 0.0, tl.float32)
     b_denominator = tl.full([BLOCK_D], 0.0, tl.float32)  # summed over D after the loop
     for d0 in range(0, D, BLOCK_D):
@@ -98,8 +102,7 @@ def step_kernel(
         b_k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d64 * stride_kd, mask=mask_d, other=0.0)
         b_q = b_q.to(tl.float32)
         b_k = b_k.to(tl.float32)
-        # phi, written here rather than in a helper: the interpreter's cost of a call to a
-        # @triton.jit helper is most of the step's time in CPU mode.
+        # phi, written here rather than in a helper (see "Fragile" on the interpreter).
         if FEATURE_MAP == "elu":  # elu(x) + 1, without the cancellation of (exp(x) - 1) + 1
             b_q = tl.where(b_q > 0, b_q + 1.0, tl.exp(b_q))
             b_k = tl.where(b_k > 0, b_k + 1.0, tl.exp(b_k))
