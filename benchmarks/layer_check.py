@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
-from ttx_tutorial.benchmark import time_ms  # noqa: E402
+from ttx_tutorial.course.figures import time_ms  # noqa: E402
 from ttx_tutorial.kernels import step as step_kernels  # noqa: E402
 from ttx_tutorial.testing import random_inputs, relative_error  # noqa: E402
 
