@@ -281,7 +281,7 @@ def test_launch_variants_cover_every_launch():
 _COMPILE_CHILD = r"""
 import json, sys
 import ttx_tutorial
-from ttx_tutorial import compiler
+from ttx_tutorial.course import compiler
 from ttx_tutorial.kernels import step
 shard, shards, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 variants = step.launch_variants()
