@@ -29,12 +29,9 @@ Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 
 and 3.9; GPU runs with Triton 3.6.
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
-shared memory than the GPU has fails at launch. The kernels call Triton builtins only (no
-``tl.cdiv``): library functions written with ``@triton.jit`` are interpreted under
-``TRITON_INTERPRET=1`` and could not then be compiled for a GPU in the same process. The
-interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to bfloat16:
-under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every product
-operand to float32.
+shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
+patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the kernels
+round by hand (``_rounded``) and widen every product operand to float32.
 """
 
 import contextlib
@@ -89,7 +86,7 @@ def chunked_kernel(
 
     # One flat grid, value blocks fastest: the programs sharing a head's q and k run together,
     # so the second one finds them in L2, and B * H is not limited to 65535 as grid axis 1 is.
-    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E  # not tl.cdiv: see the header
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
     pid = tl.program_id(0)
     pid_bh = pid // num_e_blocks
     pid_e = pid % num_e_blocks

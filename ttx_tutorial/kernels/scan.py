@@ -3,18 +3,18 @@
 The state of the causal product is a prefix sum, S_t = S_0 + sum_{j <= t} k_j v_j^T. Cut the
 sequence into NS segments of L tokens, sum each segment on its own, scan the NS sums, and each
 segment knows the state it starts from (Blelloch's reduce-then-scan, "Prefix sums and their
-applications", 1990). Two launches:
+applications", 1990). Three passes in two launches:
 
   1. ``scan_summaries_kernel``, one program per (batch*head, segment, block of E): the segment's
-     sum U = K^T V over chunks of C tokens. The last program of each (batch*head, block of E) to
-     finish (an atomic count) then runs the scan, ``_scan_start_states``: slot w of a float32
-     buffer (B*H, NS, D, E), indexed by walk position, gets S_0 + sum of the earlier U.
-  2. ``scan_outputs_kernel``, one program per (batch*head, segment, block of E): from its start
+     sum U = K^T V over chunks of C tokens, into slot w + 1 of a float32 buffer (B*H, NS, D, E)
+     indexed by walk position w.
+  2. In the same launch, the last program of each (batch*head, block of E) to finish (an atomic
+     count) scans the slots (``_scan_start_states``): slot w <- S_0 + the sums before it.
+  3. ``scan_outputs_kernel``, one program per (batch*head, segment, block of E): from its start
      state, the chunked form  O_c = Q_c S + ((Q_c K_c^T) * M) V_c,  S <- S + K_c^T V_c; the
      last segment stores S_T.
-The scan needs no launch of its own (a launch costs host time, and this method is for few long
-sequences, where the host sets the pace). The last walked segment is never summed: its sum
-only feeds S_T. With one segment, pass 1 is skipped.
+Pass 2 has no launch of its own: this method is for few long sequences, where the host's time
+per launch sets the pace. The last walked segment is never summed (its sum only feeds S_T).
 
 Backward, with dO the gradient of o and G that of S_T:  dQ = forward product (dO, V, K) from the
 forward's start states transposed; dV = reverse product (K, Q, dO) from G, whose final state is
@@ -27,8 +27,7 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 inside one (batch, head) slice are int32: it must span fewer than 2**31 elements. The forward
 keeps its start states, B*H*NS*D*E float32, for the backward.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
-rounds the float32 state and scores to bfloat16 (same exponent range); float16 keeps them in
-float32 (TF32 products), since a long sequence takes the state past float16's 65504.
+rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -83,7 +82,7 @@ def scan_summaries_kernel(
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
-    program of a (batch*head, value block) to finish then scans the slots."""
+    program of a (batch*head, value block) to finish then runs pass 2."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
@@ -125,7 +124,7 @@ def scan_summaries_kernel(
     tl.store(states_ptr + (walk + 1).to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :], b_sum,
              mask=mask_d[:, None] & mask_e[None, :])
 
-    # The scan needs every sum of this (batch*head, value block), and programs cannot wait for
+    # Pass 2 needs every sum of this (batch*head, value block), and programs cannot wait for
     # each other: each counts itself in once its sum is stored, and the last to arrive (NS - 2
     # earlier arrivals) scans. The barrier orders every thread's stores before the count; the
     # count's acquire-release order makes the other programs' sums visible to the last one.
@@ -140,7 +139,7 @@ def scan_summaries_kernel(
 @triton.jit
 def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
                        e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The scan for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
+    """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
     slot 0. states_ptr: this head's (NS, D, E) buffer.
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
@@ -181,7 +180,7 @@ def scan_outputs_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Pass 2: the chunked causal product of one segment from its start state."""
+    """Pass 3: the chunked causal product of one segment from its start state."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     # The operand type that meets the float32 state and scores (see the header).
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -273,7 +272,7 @@ def scan_backward_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The backward's pass 2 for one segment, all three products in one program: a forward walk
+    """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
         dQ_c = dO_c P + ((dO_c V_c^T) * L) K_c,   P <- P + V_c^T K_c,
     then a reverse walk for dK and dV together, from the suffix state R = G + sum over later
@@ -420,7 +419,7 @@ def check_config(config):
 
 #: Head dimensions the candidates are meant for (``launch_variants`` compiles them for these).
 _TUNED_HEAD_DIMS = (64, 128)
-#: Pass-2 programs per multiprocessor the segment length aims for: several let one program's
+#: Pass-3 programs per multiprocessor the segment length aims for: several let one program's
 #: loads overlap another's products, and more than one wave evens out their finishing times.
 _PROGRAMS_PER_SM = 4
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
@@ -442,10 +441,10 @@ def _block(n):
 
 
 def _default_blocks(D, E, dtype):
-    """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 2 does not spill registers
+    """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
 
-    bfloat16: chunks of 64 tokens, one 64-row tensor-core instruction (wgmma) per product; pass 2
+    bfloat16: chunks of 64 tokens, one 64-row tensor-core instruction (wgmma) per product; pass 3
         holds the state [BLOCK_D, BLOCK_E], the scores [64, 64] and the output [64, BLOCK_E] in
         float32 registers, so BLOCK_D * BLOCK_E <= 8192 (64 registers a thread on 4 warps) and
         BLOCK_E <= 64.
@@ -470,7 +469,7 @@ def _default_blocks(D, E, dtype):
 def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
-    Parallelism: aim for _PROGRAMS_PER_SM pass-2 programs (batch_heads * e_blocks * NS) on every
+    Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
     multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
     that equal segments split the sequence evenly. Traffic: each segment moves its float32 state
     (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
@@ -527,7 +526,7 @@ def _fused_backward_shared_memory(fused, dtype):
 
 
 def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1]):
-    """Launch parameters of ``scan_backward_kernel``, or None where the backward runs pass 2 three
+    """Launch parameters of ``scan_backward_kernel``, or None where the backward runs pass 3 three
     times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK). CHUNK: the forward's,
     at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates need the registers).
     One program per segment leaves the load pipeline as its parallelism: 4 warps, 4 stages,
@@ -580,7 +579,7 @@ class _States:
 
 
 def _segment_starts(k, v, initial, *, reverse, config):
-    """Pass 1 with its scan (one launch): the state each segment starts from, in walk order."""
+    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order."""
     B, H, T, D = k.shape
     E = v.shape[-1]
     n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
@@ -602,7 +601,7 @@ def _segment_starts(k, v, initial, *, reverse, config):
 
 
 def _segment_outputs(q, k, v, starts, *, reverse, config):
-    """Pass 2: o and the final state, every segment from its start state."""
+    """Pass 3: o and the final state, every segment from its start state."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
@@ -639,7 +638,7 @@ def _launch(q, k, v, initial_state, config):
 
 
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq):
-    """The fused pass 2 of the backward: (dq or None, dk, dv, dS_0)."""
+    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = triton.cdiv(T, segment_len)
@@ -687,7 +686,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         grad_final = _States.initial(grad_final_state, q.device)
         dq = dk = dv = d_initial = None
         # Every product cuts the sequence into the forward's segments, so that start states can
-        # be shared: the forward's serve dQ, and one pass 1 of suffix sums serves dV and dK.
+        # be shared: the forward's serve dQ, and one pass 1 and 2 of suffix sums serves dV and dK.
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
         forward_starts = _States(start_tensor, ctx.start_strides)
         need_suffix = need_k or need_v or need_initial
