@@ -349,14 +349,14 @@ def part_overhead(rec, fla, shapes):
         raw_args = (q, k, v, o, sf, sf, T, H, D, E, 0, 0, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                     *sf.stride(), *sf.stride())
         raw_kwargs = dict(BLOCK_D=chunked._block(D), BLOCK_E=config["BLOCK_E"],
-                          CHUNK=config["CHUNK"], WIDEN_DOT_OPERANDS=False, num_warps=config["num_warps"],
+                          CHUNK=config["CHUNK"], INTERPRETED=False, num_warps=config["num_warps"],
                           num_stages=config["num_stages"])
         layers = {
             "api": lambda: ttx_tutorial.causal_product(q, k, v, "chunked"),
             "api_auto": lambda: ttx_tutorial.causal_product(q, k, v),
             "kernel_function": lambda: chunked.chunked_causal_product(q, k, v),
             "launch": lambda: chunked._launch(q, k, v, None, reverse=False, config=None),
-            "raw_kernel": lambda: chunked._chunked_kernel[grid](*raw_args, **raw_kwargs),
+            "raw_kernel": lambda: chunked.chunked_kernel[grid](*raw_args, **raw_kwargs),
             "empty_x2": lambda: (torch.empty_like(v), torch.empty_like(sf)),
         }
         if "fla_fused_chunk" in fla:
@@ -411,7 +411,7 @@ def _timed_functions(module, names, totals):
 
 # The wrapper functions of each kernel file whose host time the trace part reports.
 TRACED_FUNCTIONS = {"chunked": ("_launch", "_launch_backward"),
-                    "scan": ("_forward", "_segment_starts", "_segment_outputs")}
+                    "scan": ("_launch", "_segment_starts", "_segment_outputs")}
 
 
 def part_trace(rec, fla, shapes, out):
