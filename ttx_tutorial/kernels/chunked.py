@@ -75,6 +75,7 @@ def chunked_kernel(
     CHUNK: tl.constexpr,            # tokens per chunk
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
 ):
+    """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
     # rounded to bfloat16 for bfloat16 inputs (same range), kept float32 (TF32) for float16.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -177,7 +178,8 @@ def chunked_backward_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    # The whole backward of one (batch, head) in one program, as two walks over the chunks.
+    """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
+    # Two walks over the chunks.
     # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
     # L the lower triangle (s <= t),
     #   dQ_c = dO_c P_{c-1} + ((dO_c V_c^T) * L) K_c,   P_c = P_{c-1} + V_c^T K_c.

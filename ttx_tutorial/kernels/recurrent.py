@@ -76,6 +76,7 @@ def recurrent_tokens_kernel(
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
 ):
+    """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
     # side by side and find those rows in cache, and B * H is not capped at 65535 as grid axis 1 is.
     num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
