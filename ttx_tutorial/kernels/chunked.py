@@ -644,12 +644,8 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
-    (benchmarks sweep it); None means the wrapper's own rule.
-
-    config keys: BLOCK_E, CHUNK (powers of two >= 16), num_warps, num_stages; missing keys keep
-    the rule's value (``default_config``). The backward passes of the forward kernel use the same
-    config; the fused backward takes its CHUNK (``fused_backward_config``).
-    """
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
     return _run_validated(q, k, v, initial_state, config)
 

@@ -835,8 +835,8 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
-    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``;
-    ``TUNING_CANDIDATES`` lists complete ones."""
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
     return _run_validated(q, k, v, initial_state, config)
 
