@@ -219,7 +219,7 @@ def test_unknown_config_key_is_refused(device):
         chunked.chunked_causal_product(q, k, v, config={"BLOCK_e": 32})
 
 
-@pytest.mark.parametrize("shared_memory", [chunked.HOPPER_SHARED_MEMORY, 166912, 101376])
+@pytest.mark.parametrize("shared_memory", [chunked._NOMINAL_LIMITS[1], 166912, 101376])
 def test_default_config_fits_the_shared_memory_it_is_given(shared_memory):
     """H100/H200, A100 and RTX 4090 budgets: the rule's own estimate must fit each."""
     for dtype in DTYPES:
@@ -242,7 +242,7 @@ def test_default_config_splits_value_blocks_only_for_few_heads(dtype):
             assert block_e == 32 or 2 * heads * triton.cdiv(E, block_e) >= 132
 
 
-@pytest.mark.parametrize("shared_memory", [chunked.HOPPER_SHARED_MEMORY, 166912, 101376])
+@pytest.mark.parametrize("shared_memory", [chunked._NOMINAL_LIMITS[1], 166912, 101376])
 def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory):
     for dtype in (torch.float16, torch.bfloat16):
         for D, E in ((1, 1), (16, 64), (64, 64)):
@@ -300,6 +300,6 @@ def test_launch_variants_compile_for_sm90_within_shared_memory():
     variants = chunked.launch_variants()
     assert len(results) == len(variants)
     problems = [(_variant_id(v), r) for v, r in zip(variants, results)
-                if "error" in r or r["shared"] > chunked.HOPPER_SHARED_MEMORY
+                if "error" in r or r["shared"] > chunked._NOMINAL_LIMITS[1]
                 or r["async_copies"] != (v["num_stages"] > 1)]
     assert not problems, problems

@@ -49,6 +49,7 @@ def test_config_overrides_leave_the_cached_rules_untouched(device):
     E = v.shape[-1]
 
     multiprocessors, shared_memory = chunked._device_limits(q.device)
+    multiprocessors = None if ttx_tutorial.INTERPRETED else multiprocessors  # as the wrapper asks the rule
     rule = dict(chunked._cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
                                                shared_memory=shared_memory))
     chunked.chunked_causal_product(q, k, v, config={"CHUNK": 16, "BLOCK_E": 16})
@@ -56,6 +57,6 @@ def test_config_overrides_leave_the_cached_rules_untouched(device):
                                           shared_memory=shared_memory) == rule
 
     before = dict(recurrent._resolve_config(q, v, None))
-    recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 2, "BLOCK_E": 4})  # the token walk
-    recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_T": 4, "BLOCK_E": 2})  # the block walk
+    recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 2, "BLOCK_E": 4})  # the tokens walk
+    recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_T": 4, "BLOCK_E": 2})  # the blocks walk
     assert recurrent._resolve_config(q, v, None) == before

@@ -81,7 +81,7 @@ def test_backward_matches_float64(shape, dtype, with_state):
         assert_close(x.grad, ref, dtype, name)
 
 
-#: The block walk with small blocks: several blocks and a partial last one at T = 7 and 33, and
+#: The blocks walk with small blocks: several blocks and a partial last one at T = 7 and 33, and
 #: D > 16 split over key blocks whose float32 parts are added (on a GPU the rule picks this walk
 #: for few heads; the interpreter's rule never does).
 BLOCK_WALK = {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8}
@@ -150,8 +150,8 @@ def test_unknown_config_key_is_refused():
 
 
 def test_default_rule_fills_the_gpu():
-    """Few heads (1, 8, 65536, 64) take the block walk with D split in two; many heads
-    (8, 16, 4096, 64) and D = 128 the token walk."""
+    """Few heads (1, 8, 65536, 64) take the blocks walk with D split in two; many heads
+    (8, 16, 4096, 64) and D = 128 the tokens walk."""
     few_heads = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
     many_heads = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
     wide_heads = recurrent.default_config(1, 8, 128, 128, torch.bfloat16, multiprocessors=132)
@@ -166,7 +166,7 @@ def test_default_rule_fills_the_gpu():
                     assert heads == 1 and D <= 64
                     continue
                 block_d = recurrent._block_d(D)
-                # The groups fill the lanes the k tile leaves (see "Fragile" in the module docstring).
+                # The groups fill the lanes the k tile leaves (see the caveats of the module docstring).
                 assert cfg["BLOCK_E"] // cfg["COLS"] == recurrent._groups(block_d, dtype.itemsize)
                 assert recurrent._shared_memory_bytes(block_d, cfg, dtype.itemsize) <= recurrent._SHARED_MEMORY_BUDGET
                 if dtype.itemsize == 2 and D == 64:  # the v block is large enough to be copied asynchronously
@@ -202,7 +202,7 @@ def test_config_without_walk_takes_the_walk_that_reads_its_keys():
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 def test_default_bf16_launch_pipelines_every_load(with_state):
-    """The performance-critical shape of the compiled kernel (see "Fragile" in the module docstring).
+    """The performance-critical shape of the compiled kernel (see the caveats of the module docstring).
 
     Compiled as the forward launch on aligned (B, H, T, 64) bf16 tensors is specialised, every
     load in the main token loop must be an asynchronous copy, no layout conversion may go
@@ -232,7 +232,7 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
             constexprs[name] = 1
         divisible = [i for i, n in enumerate(names) if signature[n] != "constexpr" and n != "T"]
         attrs = {{(i,): [["tt.divisibility", 16]] for i in divisible}}
-        source = ASTSource(recurrent.recurrent_kernel, signature=signature, constexprs=constexprs,
+        source = ASTSource(recurrent.recurrent_tokens_kernel, signature=signature, constexprs=constexprs,
                            attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={{"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
@@ -270,7 +270,7 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
 
 
 def test_few_heads_block_walk_compiles_to_an_in_thread_scan():
-    """The block walk's speed rests on its compiled shape (module docstring, "Block walk"): as
+    """The blocks walk's speed rests on its compiled shape (module docstring, caveats): as
     launched on aligned (1, 8, T, 64) bf16 tensors, every load of the block loop is an
     asynchronous copy, the cumsum runs along registers of one thread (a scan across lanes would
     cost shuffles at every step) and nothing spills."""

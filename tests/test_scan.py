@@ -149,8 +149,8 @@ def test_gradient_of_one_output_alone(used, dtype):
 def test_fused_backward_without_dq(monkeypatch):
     """q needs no gradient: the fused backward skips its forward walk (and is the path taken)."""
     calls = []
-    fused = scan._segment_backward
-    monkeypatch.setattr(scan, "_segment_backward", lambda *a, **kw: calls.append(kw["compute_dq"]) or fused(*a, **kw))
+    fused = scan._launch_backward
+    monkeypatch.setattr(scan, "_launch_backward", lambda *a, **kw: calls.append(kw["compute_dq"]) or fused(*a, **kw))
     q, k, v, s0 = random_inputs(1, 2, 3 * CHUNK + 2, 20, 12, dtype=BF16, seed=12, initial_state=True)
     for x in (k, v, s0):
         x.requires_grad_()
@@ -179,10 +179,10 @@ def test_through_causal_product(dtype):
 
 
 def test_segment_length_rule_on_the_main_benchmark_shape():
-    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 3
+    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 2
     at least two programs per SM of an H200 and keep the float32 states' traffic (each written
     and read about four times) under a quarter of the q, k, v, o traffic. It gives 1024-token
-    segments, the fastest length measured on an H200 (see ``scan._segment_length``)."""
+    segments, the fastest length of the recorded sweep (benchmarks/NOTES.md)."""
     B, H, T, D, E, sm_count = 1, 8, 65536, 64, 64, 132
     blocks = scan._default_blocks(D, E, BF16)
     e_blocks = -(-E // blocks["BLOCK_E"])
@@ -224,7 +224,7 @@ def _main_variants(variants):
     for head_dim in (64, 128):
         rule = scan._default_blocks(head_dim, head_dim, BF16)
         wanted.add((head_dim, rule["BLOCK_E"], rule["CHUNK"], rule["num_warps"], rule["num_stages"]))
-    fused = scan._fused_backward_config(64, 64, BF16, 64, scan._HOPPER_SHARED_MEMORY)
+    fused = scan.fused_backward_config(64, 64, BF16, {"CHUNK": 64})
     wanted.add((64, 64, fused["CHUNK"], fused["num_warps"], fused["num_stages"]))
     chosen = []
     for variant in variants:
@@ -254,9 +254,9 @@ def test_main_launches_compile_for_sm90_with_tensor_cores():
     child = run_python(Path(__file__))
     assert child.returncode == 0, child.stderr[-4000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * 2 * 2 + 1  # head dims, directions, the two launches; the fused backward
+    assert len(results) == 2 * 2 + 1  # head dims times the two launches (each serves both directions); the fused backward
     kernels = {r["kernel"] for r in results}
-    assert kernels == {"_segment_summaries_kernel", "_segment_outputs_kernel", "_segment_backward_kernel"}
+    assert kernels == {"scan_summaries_kernel", "scan_outputs_kernel", "scan_backward_kernel"}
     for r in results:
         assert r["ok"], f"{r['kernel']} {r['constexprs']}: {r['message']}"
         assert r["fits"], f"{r['kernel']} {r['constexprs']} needs more shared memory than sm_90 has"

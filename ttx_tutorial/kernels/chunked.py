@@ -1,59 +1,37 @@
 """Chunked causal dot product: tensor-core tiles inside a chunk, a float32 state between chunks.
 
-Algorithm (the "chunkwise" form of linear attention; Katharopoulos et al. 2020 give the
-recurrence, the chunked rewrite is the one fla's ``fused_chunk`` kernels use). Split the T tokens
-into chunks of C. With S_{c-1} the state after the previous chunk and M the causal mask
-(diagonal included),
+The chunkwise form of linear attention (the recurrence of Katharopoulos et al. 2020, rewritten
+as fla's ``fused_chunk`` kernels do). With chunks of C tokens, S_{c-1} the state after the
+previous chunk and M the causal mask (diagonal included):
 
     O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c          (C x E)
     S_c = S_{c-1} + K_c^T V_c                           (D x E)
 
-One program per (batch, head, block of E columns) walks the chunks in order and keeps its
-slice of S in float32 registers; every product above is a ``tl.dot``. When one value block
-covers E, reading q, k, v once and writing o once is all the memory traffic, so on a GPU the
-kernel runs near the bandwidth floor if the loads of the next chunks overlap the products of
-this one (``num_stages``: the loads feeding ``tl.dot`` become asynchronous copies).
+``chunked_kernel``: one program per (batch, head, block of E columns) walks the chunks with its
+slice of S in float32 registers; every product is a ``tl.dot``, and ``num_stages`` overlaps the
+loads of the next chunks with this one's products. ``reverse`` = 1 walks the chunks from last to
+first with the upper triangle, so the state holds sum_{s >= t} k_s v_s^T.
+Backward, with dO the gradient of o and G that of S_T: dQ = forward product (dO, V, K) from
+S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO) from G, whose
+final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
+one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwise
+``chunked_kernel`` runs three times.
 
-Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) float32.
-Any strides; any T >= 0 (a partial last chunk is masked); D and E from 1 to 256 (blocks are
-powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
-
-Backward: three products of the same form. With dO the gradient of o and G that of S_T,
-
-    dQ   = forward product of (dO, V, K) from S_0^T
-    dK   = reverse product of (V, dO, Q) from G^T
-    dV   = reverse product of (K, Q, dO) from G, whose final state is dS_0
-
-where the reverse product (``reverse=1``) walks the chunks from last to first with the
-upper triangle of each chunk, so its state holds sum_{s >= t} k_s v_s^T. The states of the last
-two are transposes of one another, R = G + sum_{t >= s} q_t dO_t^T. For 16-bit heads up to 64
-wide, ``_chunked_backward_kernel`` does it all in one launch: each program walks its head
-forwards for dQ, then backwards once for dK and dV together (one read of the inputs fewer).
-Wider heads and float32 run the forward kernel three times instead (``reverse`` flips it).
-
-Precision: every product accumulates in float32.
-  float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
-  bfloat16 inputs: bfloat16 operands; the float32 state and scores are rounded to bfloat16 to
-      meet v and q (bfloat16 shares float32's exponent range).
-  float16 inputs: the state and the scores never become float16 (a long sequence of positive
-      features takes the state past float16's 65504); those two products take float32 operands
-      as TF32, whose 10-bit mantissa holds float16 inputs exactly.
-
-Checked on Triton 3.9's CPU interpreter, and by compiling every launch for sm_80 and sm_90 with
-Triton 3.6 and 3.9; written for an H200 with Triton 3.6. Fragile:
-  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
-    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
-    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
-    q-gradients, of its own chunk. Zero a padded batch's padding first;
-  - per-(batch, head) offsets are int32: one head's slice of a tensor must span fewer than
-    2**31 elements;
-  - a config that needs more shared memory than the GPU has fails at launch (out of resources);
-  - the kernel calls Triton builtins only (no ``tl.cdiv``, ``tl.zeros``): library functions
-    written with ``@triton.jit`` become interpreted functions under ``TRITON_INTERPRET=1``, and
-    compiling this kernel for a GPU from such a session (the ``launch_variants`` check) would fail;
-  - the interpreter multiplies the bit patterns of bfloat16 ``tl.dot`` operands (Triton issue
-    #11584), hence ``WIDEN_DOT_OPERANDS``; it also rounds float32 to bfloat16 by truncation
-    where GPUs round to nearest, so bfloat16 errors on the CPU are about twice a GPU's.
+Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
+(a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
+``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: it must span fewer than
+2**31 elements.
+Precision: products accumulate in float32; float32 inputs multiply in IEEE float32 (TF32 would
+cost about 1e-3); bfloat16 rounds the float32 state and scores to bfloat16 (same exponent range);
+float16 keeps them in float32 (TF32 products, exact for float16 inputs), since a long sequence
+of positive features takes the state past float16's 65504.
+Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
+and 3.9; GPU runs with Triton 3.6.
+Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
+NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
+shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
+patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the kernels
+round by hand (``_rounded``) and widen every product operand to float32.
 """
 
 import contextlib
@@ -66,7 +44,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunked_kernel(
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(DTYPE), rounded to nearest even as on a GPU. The interpreter truncates float32 to
+    bfloat16, so under it round the bit pattern first (half an ulp, ties to even, drop 16 bits)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def chunked_kernel(
     q_ptr, k_ptr, v_ptr,            # inputs: q, k (B, H, T, D), v (B, H, T, E)
     o_ptr,                          # output (B, H, T, E), dtype of v
     initial_state_ptr,              # (B, H, D, E) float32, read when has_initial_state
@@ -83,22 +73,21 @@ def _chunked_kernel(
     BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
     BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
     CHUNK: tl.constexpr,            # tokens per chunk
-    WIDEN_DOT_OPERANDS: tl.constexpr,  # True only under the CPU interpreter, see below
+    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
 ):
-    # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product.
-    # bfloat16 keeps float32's range, so bfloat16 inputs round them to bfloat16; float16 does
-    # not, so float16 inputs are promoted to float32 instead and multiplied as TF32.
+    """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
+    # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
+    # rounded to bfloat16 for bfloat16 inputs (same range), kept float32 (TF32) for float16.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
-    # Under the interpreter (see "Fragile" above) every operand is widened to float32 after its
-    # rounding, which gives the GPU's products exactly: a product of two bfloat16 or float16
-    # values is exact in float32.
-    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if WIDEN_DOT_OPERANDS else MIXED_DTYPE
+    # Under the interpreter every operand is widened to float32 after its rounding: a product of
+    # two 16-bit floats is exact in float32, so the CPU computes the GPU's products.
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
 
     # One flat grid, value blocks fastest: the programs sharing a head's q and k run together,
     # so the second one finds them in L2, and B * H is not limited to 65535 as grid axis 1 is.
-    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E  # not tl.cdiv: see "Fragile" above
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
     pid = tl.program_id(0)
     pid_bh = pid // num_e_blocks
     pid_e = pid % num_e_blocks
@@ -123,9 +112,8 @@ def _chunked_kernel(
                           mask=mask_de, other=0.0).to(tl.float32)
 
     # Inside a chunk, row i (token t) sees column j (token s) when s <= t, or s >= t in reverse.
-    # reverse and has_initial_state are runtime flags: they act outside the products, and one
-    # compiled kernel then serves the forward and backward passes (on a GPU, Triton still
-    # specialises the value 1 into a constant).
+    # The flags are runtime integers: they act outside the products, so one compiled kernel
+    # serves the forward and backward passes.
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
 
     num_chunks = (T + CHUNK - 1) // CHUNK
@@ -141,7 +129,7 @@ def _chunked_kernel(
                        mask=mask_d[:, None] & mask_t[None, :], other=0.0)         # [D, C]
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
-        if WIDEN_DOT_OPERANDS:
+        if INTERPRETED:
             b_q = b_q.to(tl.float32)
             b_kt = b_kt.to(tl.float32)
             b_v = b_v.to(tl.float32)
@@ -151,14 +139,14 @@ def _chunked_kernel(
         # program stores O_c and issues the next loads (Triton waits on every other product at once).
         b_scores = tl.dot(b_q, b_kt, input_precision=FLOAT32_PRECISION)           # [C, C]
         b_scores = tl.where(visible, b_scores, 0.0)
-        b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), b_state.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+        b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
-        b_o = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE), acc=b_o,
-                     input_precision=FLOAT32_PRECISION)
+        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
+                     acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
-                 b_o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
+                 _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
 
     final_state_ptr += b * stride_sfb + h * stride_sfh
     tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
@@ -166,7 +154,7 @@ def _chunked_kernel(
 
 
 @triton.jit
-def _chunked_backward_kernel(
+def chunked_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     initial_state_ptr,              # S_0 (B, H, D, E) float32, read when has_initial_state
@@ -188,10 +176,10 @@ def _chunked_backward_kernel(
     BLOCK_D: tl.constexpr,          # >= D
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
-    WIDEN_DOT_OPERANDS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    # The whole backward of one (batch, head) in one program (see "Backward" in the module
-    # docstring), as two walks over the chunks.
+    """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
+    # Two walks over the chunks.
     # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
     # L the lower triangle (s <= t),
     #   dQ_c = dO_c P_{c-1} + ((dO_c V_c^T) * L) K_c,   P_c = P_{c-1} + V_c^T K_c.
@@ -199,12 +187,11 @@ def _chunked_backward_kernel(
     # upper triangle (t >= s),
     #   dV_c = ((K_c Q_c^T) * U) dO_c + K_c R_c,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R_c^T,
     #   R_{c-1} = R_c + Q_c^T dO_c,  and R_0 = dS_0.
-    # Precision as in _chunked_kernel: float32 accumulators, intermediates rounded to bfloat16
-    # (bfloat16 inputs) or kept in float32 (float16 inputs).
+    # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
-    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if WIDEN_DOT_OPERANDS else MIXED_DTYPE
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
 
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
@@ -242,19 +229,19 @@ def _chunked_backward_kernel(
                            mask=mask_e[:, None] & mask_t[None, :], other=0.0)           # [E, C]
             b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
                           mask=mask_td, other=0.0)                                      # [C, D]
-            if WIDEN_DOT_OPERANDS:
+            if INTERPRETED:
                 b_do = b_do.to(tl.float32)
                 b_vt = b_vt.to(tl.float32)
                 b_k = b_k.to(tl.float32)
             b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION)          # [C, C]
             b_scores = tl.where(lower, b_scores, 0.0)
-            b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), b_p.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+            b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)                             # [C, D]
-            b_dq = tl.dot(b_scores.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_k.to(MIXED_DOT_DTYPE), acc=b_dq,
-                          input_precision=FLOAT32_PRECISION)
+            b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                          b_k.to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
             b_p = tl.dot(b_vt, b_k, acc=b_p, input_precision=FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
-                     b_dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
+                     _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     if has_final_grad:
@@ -273,7 +260,7 @@ def _chunked_backward_kernel(
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
         b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
                        other=0.0)
-        if WIDEN_DOT_OPERANDS:
+        if INTERPRETED:
             b_q = b_q.to(tl.float32)
             b_k = b_k.to(tl.float32)
             b_v = b_v.to(tl.float32)
@@ -283,29 +270,26 @@ def _chunked_backward_kernel(
         b_kq = tl.where(upper, b_kq, 0.0)
         b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
         b_vdo = tl.where(upper, b_vdo, 0.0)
-        b_r_mixed = b_r.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
+        b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
-        b_dv = tl.dot(b_kq.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE), acc=b_dv,
-                      input_precision=FLOAT32_PRECISION)
+        b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE),
+                      acc=b_dv, input_precision=FLOAT32_PRECISION)
         b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
-        b_dk = tl.dot(b_vdo.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE), acc=b_dk,
-                      input_precision=FLOAT32_PRECISION)
+        b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
+                      acc=b_dk, input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q), b_do, acc=b_r, input_precision=FLOAT32_PRECISION)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
-                 b_dk.to(dk_ptr.dtype.element_ty), mask=mask_td)
+                 _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
-                 b_dv.to(dv_ptr.dtype.element_ty), mask=mask_te)
+                 _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
     ds0_ptr += pid_bh.to(tl.int64) * D * E
     tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
 
-# Shared memory one program may use on an H100 or H200 (227 KiB): the default for the rule below
-# when no GPU is there to ask (the interpreter, and the compile checks of ``launch_variants``).
-HOPPER_SHARED_MEMORY = 232448
-
-_CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
+#: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
+CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
 
 
 def check_config(config):
@@ -314,9 +298,9 @@ def check_config(config):
     num_warps a power of two up to 32, num_stages at least 1."""
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
-    unknown = set(config) - set(_CONFIG_KEYS)
+    unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
     for key, value in config.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"config {key} must be an int, got {value!r}")
@@ -327,11 +311,10 @@ def check_config(config):
         if key == "num_stages" and value < 1:
             raise ValueError(f"config num_stages must be at least 1, got {value}")
 
-#: Configurations for a benchmark to sweep through ``config`` on bfloat16 inputs with
-#: D = E in {64, 128}. All fit an H100/H200's shared memory; compiled for sm_90 by Triton 3.6,
-#: only the 128-token chunks and the 128-column blocks at D = 128 spill (24 to 32 bytes a thread).
-#: Narrower value blocks give more programs per head at the price of re-reading q and k; longer
-#: chunks halve the number of sequential steps but quadruple the score tile; more stages keep
+
+#: Configurations for a benchmark to sweep on bfloat16 inputs with D = E in {64, 128}; all fit an
+#: H100/H200's shared memory. Narrower value blocks give more programs per head but re-read q
+#: and k; longer chunks halve the sequential steps but quadruple the score tile; more stages keep
 #: more loads in flight.
 TUNING_CANDIDATES = [
     {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 4, "num_stages": 3},
@@ -355,27 +338,25 @@ def _shared_memory_estimate(block_d, config, dtype):
     return config["num_stages"] * chunk_bytes + block_d * config["BLOCK_E"] * 4
 
 
-def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=HOPPER_SHARED_MEMORY):
-    """The launch parameters the wrapper chooses for key size D, value size E and input dtype,
-    given B * H (``heads``) and the GPU's multiprocessors and shared memory (None: unknown).
+#: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
+_NOMINAL_LIMITS = (132, 232448)
 
-    Registers decide most of it: each thread holds BLOCK_D * BLOCK_E / (32 * num_warps) float32
-    values of the state, beside the output tile, the scores and the load addresses. The choices
-    below come from compiling the candidates for sm_90 with Triton 3.6 and 3.9 and reading
-    ptxas' register and stack use: the 16-bit ones spill at most 24 bytes a thread, float32 at
-    D > 64 up to 300.
-    - float32: IEEE products run on CUDA cores, where Triton keeps whole operand rows in
-      registers: 16 x 16 tiles (the minimum), 8 warps, and a single stage of loads at D > 128.
-    - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k are read once per
-      head up to E = 128), 32 at D > 128. While that leaves fewer programs than half the
-      multiprocessors (few long sequences), the block is halved down to 32 columns: the programs
-      of one head then share its q and k through L2 instead of leaving the GPU idle.
+
+def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1]):
+    """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
+    and the GPU's multiprocessors and shared memory (None: unknown).
+
+    Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
+    BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.
+    - float32: IEEE products keep whole operand rows in registers: 16 x 16 tiles, 8 warps, and a
+      single stage of loads at D > 128.
+    - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
+      up to E = 128), 32 at D > 128; halved down to 32 while the programs number fewer than half
+      the multiprocessors, so that a head's programs share its q and k through L2.
     - bfloat16: at most 64 value columns, 4 warps while the state takes at most 64 registers a
-      thread (else 8), and 4 stages of loads. Measured on an H200 (Triton 3.6): at D = E = 64,
-      4 stages took 0.075 ms against 0.083 with 3; at D = E = 128, 64 columns on 4 warps with
-      4 stages took 0.178 ms against 0.198 for 128 columns on 8 warps.
-    - float16: 8 warps, and 32-token chunks for D > 64, because its TF32 products also hold
-      float32 copies of q, the state and the scores; 3 stages of loads.
+      thread (else 8), and 4 stages of loads.
+    - float16: 8 warps, 32-token chunks for D > 64 (its TF32 products hold float32 copies of q,
+      the state and the scores), 3 stages.
     Stages, then chunk length, shrink until the loads fit the GPU's shared memory.
     """
     block_d = _block(D)
@@ -409,9 +390,9 @@ _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
-    """(multiprocessors, shared memory per program) of a GPU; (None, Hopper's) elsewhere."""
+    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
     if device.type != "cuda":
-        return None, HOPPER_SHARED_MEMORY
+        return _NOMINAL_LIMITS
     properties = torch.cuda.get_device_properties(device)
     return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
@@ -421,6 +402,8 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     B, H, T, D = q.shape
     E = v.shape[-1]
     multiprocessors, shared_memory = _device_limits(q.device)
+    if triton.knobs.runtime.interpret:  # programs run one after another: no multiprocessors to fill
+        multiprocessors = None
     chosen = _cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
                                     shared_memory=shared_memory)
     if config is not None:  # checked by chunked_causal_product
@@ -434,22 +417,19 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     initial_state = initial_state if has_initial_state else final_state
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     with _launch_guard():
-        _chunked_kernel[grid](
+        chunked_kernel[grid](
             q, k, v, o, initial_state, final_state,
             T, H, D, E, int(reverse), int(has_initial_state),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
             BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
-            WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret,
             num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
         )
     return o, final_state
 
 
-#: The fused backward's reverse walk holds R (D x E), the two [C, C] score tiles and the dK and
-#: dV tiles of a chunk in registers at once. Compiled for sm_90 by Triton 3.6 at BLOCK_D =
-#: BLOCK_E = 64 on 4 warps with 4 stages, ptxas reports no spills: 244 registers for bfloat16
-#: with 64-token chunks, 255 for float16 (whose intermediates stay float32) with 32-token ones.
-#: Larger heads, and float32, take three passes of the forward kernel.
+#: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
+#: in registers at once, which fits 16-bit heads up to 64 wide without spills.
 FUSED_BACKWARD_MAX_BLOCK = 64
 _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -461,15 +441,12 @@ def _fused_backward_shared_memory(fused, dtype):
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def fused_backward_config(D, E, dtype, config=None, *, shared_memory=HOPPER_SHARED_MEMORY):
-    """Launch parameters of the fused backward (``_chunked_backward_kernel``), or None where the
-    backward takes three passes of the forward kernel instead. CHUNK follows the forward's
-    configuration, at most 64 tokens for bfloat16 and 32 for float16 (see
-    FUSED_BACKWARD_MAX_BLOCK). Measured on an H200 (Triton 3.6, bfloat16, D = E = 64, the reverse
-    walk alone): 4 warps with 4 stages of loads took 0.111 ms, 3 stages 0.116, 2 stages 0.171,
-    and 8 warps 0.17 to 0.24; one program per head leaves the load pipeline as the only source of
-    parallelism inside a multiprocessor, so deep pipelines win. Stages shrink until the loads fit
-    the GPU's shared memory."""
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1]):
+    """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
+    ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
+    CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
+    need the registers). One program per head leaves the load pipeline as its parallelism:
+    4 warps, 4 stages, fewer stages until the loads in flight fit ``shared_memory``."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
@@ -481,7 +458,7 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=HOPPER_SHAR
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *, compute_dq):
-    """dQ (when compute_dq), dK, dV and dS_0 in one launch (``_chunked_backward_kernel``).
+    """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
     initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros."""
     B, H, T, D = q.shape
     E = v.shape[-1]
@@ -494,20 +471,20 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *,
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
     with _launch_guard():
-        _chunked_backward_kernel[(B * H,)](
+        chunked_backward_kernel[(B * H,)](
             q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
             *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            WIDEN_DOT_OPERANDS=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret,
             num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
 
 
 class _ChunkedCausalProduct(torch.autograd.Function):
-    """Forward: one pass. Backward: one fused launch, or up to three passes (module docstring)."""
+    """Forward: one pass. Backward: one fused launch, or up to three passes."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config):
@@ -667,12 +644,8 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
-    (benchmarks sweep it); None means the wrapper's own rule.
-
-    config keys: BLOCK_E, CHUNK (powers of two >= 16), num_warps, num_stages; missing keys keep
-    the rule's value (``default_config``). The backward passes of the forward kernel use the same
-    config; the fused backward takes its CHUNK (``fused_backward_config``).
-    """
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
     return _run_validated(q, k, v, initial_state, config)
 
@@ -710,12 +683,13 @@ def launch_variants():
             for block_e in head_blocks:
                 # many heads (no splitting), and a single head on an H100/H200 (the most)
                 for heads in (None, 1):
-                    config = default_config(block_d, block_e, dtype, heads=heads, multiprocessors=132)
-                    launches.add((dtype, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
+                    config = default_config(block_d, block_e, dtype, heads=heads,
+                                            multiprocessors=_NOMINAL_LIMITS[0])
+                    launches.add((dtype, block_d, tuple(config[key] for key in CONFIG_KEYS)))
     for block_d in (64, 128):
         for config in TUNING_CANDIDATES:
-            launches.add((torch.bfloat16, block_d, tuple(config[key] for key in _CONFIG_KEYS)))
-    variants = [_variant(dtype, block_d, dict(zip(_CONFIG_KEYS, values)))
+            launches.add((torch.bfloat16, block_d, tuple(config[key] for key in CONFIG_KEYS)))
+    variants = [_variant(dtype, block_d, dict(zip(CONFIG_KEYS, values)))
                 for dtype, block_d, values in sorted(launches, key=str)]
     # The fused backward: its rule depends only on the dtype and the two blocks (the chunk of
     # every rule and candidate configuration is at least 64, so the cap decides it).
@@ -738,9 +712,9 @@ def _variant(dtype, block_d, config):
         for axis in axes:
             signature[f"stride_{tensor}{axis}"] = "i32"
     constexprs = {"BLOCK_D": block_d, "BLOCK_E": config["BLOCK_E"], "CHUNK": config["CHUNK"],
-                  "WIDEN_DOT_OPERANDS": False}
+                  "INTERPRETED": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return {"kernel": _chunked_kernel, "signature": signature, "constexprs": constexprs,
+    return {"kernel": chunked_kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
@@ -755,7 +729,7 @@ def _backward_variant(dtype, fused):
         for axis in axes:
             signature[f"stride_{tensor}{axis}"] = "i32"
     constexprs = {"BLOCK_D": fused["BLOCK_D"], "BLOCK_E": fused["BLOCK_E"], "CHUNK": fused["CHUNK"],
-                  "WIDEN_DOT_OPERANDS": False}
+                  "INTERPRETED": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return {"kernel": _chunked_backward_kernel, "signature": signature, "constexprs": constexprs,
+    return {"kernel": chunked_backward_kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": fused["num_warps"], "num_stages": fused["num_stages"]}

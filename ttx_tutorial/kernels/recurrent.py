@@ -1,109 +1,37 @@
-"""The O(n) recurrent kernel: one program walks the sequence with its slice of the state in registers.
+"""Recurrent causal dot product: one program walks the sequence with its slice of the state in registers.
 
-Algorithm
-    Algorithm 1 of Katharopoulos et al., "Transformers are RNNs" (ICML 2020)::
+Algorithm 1 of Katharopoulos et al., "Transformers are RNNs" (ICML 2020):
+S_t = S_{t-1} + k_t v_t^T (S_0 = initial state, zeros by default), o_t = S_t^T q_t. One program
+owns one (batch, head) and BLOCK_E value columns of S, in float32 registers, and walks t = 0 ..
+T-1 (T-1 .. 0 when ``reverse`` is 1). No ``tl.dot``: a product with one row wastes the tensor
+cores. Time O(T * D * E) per head, memory O(D * E) per program. Two walks (``config["WALK"]``):
+  "tokens" (``recurrent_tokens_kernel``): one token per step, an outer product
+      ``k_t[:, None] * v_t[None, :]`` and a sum over D; the fastest walk when the GPU is full.
+  "blocks" (``recurrent_blocks_kernel``): BLOCK_T tokens per step, their states a prefix sum
+      S_{i0-1} + tl.cumsum(k v^T) over a [BLOCK_T, BLOCK_D, BLOCK_E] tile. About twice the
+      additions, but the steps of a block do not wait for each other, and D may be split over
+      programs (float32 partial outputs, added on the host): for few (batch, head) pairs.
+``default_config`` picks the walk; both give the same results up to rounding.
+Backward: the same kernels, three launches. With dO the gradient of o and G that of S_T,
+dq = forward walk of (dO, v, k) from S_0^T; dk = reverse walk of (v, dO, q) from G^T;
+dv = reverse walk of (k, q, dO) from G, whose final state is dS_0. The direction and the state
+flags are runtime integers, so one compiled kernel per tile configuration serves all four.
 
-        S_t = S_{t-1} + k_t v_t^T        (S_0 = initial state, zeros by default)
-        o_t = S_t^T q_t
-
-    One program owns one (batch, head) pair and one block of ``BLOCK_E`` value columns, holds
-    ``S[:, e0:e0 + BLOCK_E]`` ([BLOCK_D, BLOCK_E], float32) in registers and walks t = 0 .. T-1
-    (T-1 .. 0 when ``reverse`` is 1). Each token costs one outer product,
-    ``k_t[:, None] * v_t[None, :]``, and one matrix-vector product,
-    ``tl.sum(S * q_t[:, None], axis=0)``. There is no ``tl.dot``: a product with one row wastes
-    the tensor cores, and tiny ``tl.dot`` blocks are what the Triton compiler once miscompiled
-    and now refuses. Time O(T * D * E) per head, memory O(D * E) per program: linear in T.
-
-Two walks (``config["WALK"]``)
-    ``"tokens"`` (``recurrent_kernel``) takes one token per step, exactly as written above.
-    ``"blocks"`` (``recurrent_cumsum_kernel``) takes BLOCK_T tokens per step: with the
-    [BLOCK_T, BLOCK_D, BLOCK_E] tile of outer products of a block, the states are a prefix
-    sum, ``S_{i0-1} + tl.cumsum(k v^T, axis=0)``, and all BLOCK_T outputs are reduced over D at
-    once. Same arithmetic order of magnitude (about twice the additions), but the steps of a
-    block no longer wait for each other. That matters when the GPU is not full: with few
-    (batch, head) pairs each warp is alone on its scheduler, and the token walk's time is the
-    latency of one token's chain of dependent instructions (load, convert, update, multiply,
-    three shuffles), about 90 ns a token on an H200, however little work the warp has. The
-    block walk also splits D over key blocks (``BLOCK_D`` < D: programs hold different rows
-    of S and write float32 parts of o, added on the host) to have more programs.
-    ``default_config`` picks the walk; both give the same results up to rounding.
-
-Backward (the same kernels, three launches)
-    Let dO be the gradient of o, G that of the final state (zeros when unused) and
-    P_t = G + sum_{s >= t} q_s dO_s^T, the gradient reaching S_t. Then::
-
-        dq_t = S_t dO_t      forward walk of (q=dO, k=v,  v=k)  from S_0^T
-        dk_t = P_t v_t       reverse walk of (q=v,  k=dO, v=q)  from G^T
-        dv_t = P_t^T k_t     reverse walk of (q=k,  k=q,  v=dO) from G, whose final state P_1 is dS_0
-
-    The roles of D and E swap in the first two launches (their states are E x D), which get
-    transposed views of S_0 and G without a copy. The direction and the two state flags
-    are runtime integers, not constexprs: one compiled kernel per tile configuration serves all
-    four launches, so CI compiles a quarter as many variants (Triton still specialises an
-    integer argument equal to 1 when it launches).
-
-Shapes and precision
-    q, k: (B, H, T, D); v: (B, H, T, E); initial and final state (B, H, D, E) float32; any
-    strides. T >= 0; 1 <= D, E <= 256 (blocks are powers of two, tails masked). Inputs float32,
-    float16 or bfloat16; products and the state in float32; o in the input dtype.
-
-Register layout of the token walk (what makes it fast)
-    The state is held as a [BLOCK_D, GROUPS, COLS] tensor, GROUPS * COLS = BLOCK_E: value column
-    e0 + g * COLS + c. k_t and q_t are loaded as [BLOCK_D, GROUPS, 1] tiles (broadcast along the
-    groups: every group reads the same d); Triton's coalescing gives each thread a 16-byte run of
-    contiguous d (8 elements in 16-bit precision, 4 in float32) and spreads the groups over the
-    remaining lanes, and this layout propagates to the state. The COLS axis then lives inside
-    each thread, so one load and one conversion of k_t and q_t serve COLS columns, and
-    ``tl.sum`` over D is 7 additions per column in the thread plus log2(BLOCK_D / 8) shuffles.
-    o_t is reduced with ``keep_dims`` and stored from that layout (no layout conversion).
-    v is loaded once per loop iteration as an [UNROLL, GROUPS, COLS] block and token j's row is
-    picked with ``tl.where`` + ``tl.sum`` over the UNROLL axis: a block that large is copied
-    asynchronously by Triton 3.6's pipeliner, one row per token is not.
-    The pointers are advanced by a scalar per iteration; the iterations before the last partial
-    one run without a per-token sequence mask (a separate loop does the last T % UNROLL tokens).
-
-Tuning (``config``)
-    ``WALK`` ("tokens" or "blocks"; without it, the rule's walk if it reads every key given,
-    else the one that does), ``BLOCK_E`` (value columns per program), ``num_warps`` and
-    ``num_stages`` (the software pipeline: the loads of ``num_stages - 1`` iterations ahead
-    are in flight while one iteration computes); for the token walk ``COLS`` (value columns
-    per thread; BLOCK_E / COLS groups) and ``UNROLL`` (tokens per loop iteration); for the
-    block walk ``BLOCK_D`` (key rows per program) and ``BLOCK_T`` (tokens per block).
-    ``default_config`` explains the rule; ``TUNING_CANDIDATES`` are the alternatives a
-    benchmark should also try.
-
-Tested
-    Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_80 and sm_90 without a
-    GPU with Triton 3.6 and 3.9 (same layouts; with the default rule every per-token load of
-    the main loop is an asynchronous copy). GPU timings: ``benchmarks/gpu_check.py``.
-
-Fragile
-    * Speed depends on the register layout Triton chooses for the state (see "Register layout").
-      GROUPS should equal the lanes that the coalesced k tile leaves for it,
-      32 * (16 / itemsize) / BLOCK_D for one warp (4 for D = 64 in 16-bit precision): more
-      groups than that wrap around inside a thread and load k and q twice, fewer spread D over
-      more lanes (more shuffles). ``default_config`` computes it.
-    * Any [BLOCK_D, BLOCK_E]-sized load can become the layout of the whole loop. The initial
-      state is therefore added row by row (D loads of [1, GROUPS, COLS], too small to impose a
-      layout, selected into the state with ``tl.where``: O(D * BLOCK_E) once per program);
-      loaded as one tile, float32 with 4 elements per thread, it made Triton 3.9 lay the loop out
-      with 4 d per thread and split COLS over lanes.
-      ``tests/test_recurrent.py::test_default_bf16_launch_pipelines_every_load`` checks the
-      compiled layout and loads; run it after a Triton upgrade. The block walk adds its initial
-      state row by row too: loaded as one tile, it raised Triton 3.6's registers for the block
-      loop from 95 to 243 (Triton 3.9 spilled).
-    * The block walk is fast when the cumsum axis (BLOCK_T) lies in each thread's registers, so
-      that the scan is a chain of additions, and every load of the block loop is an
-      asynchronous copy; ``test_few_heads_block_walk_compiles_to_an_in_thread_scan`` checks
-      both, and that nothing spills. Larger tiles spill: BLOCK_D = 64 with BLOCK_E = 8 and
-      BLOCK_T = 32 needs 2 KiB of stack per thread.
-    * Triton 3.6 copies a load asynchronously only when each thread copies at least 4 bytes and
-      the block has no replicated elements: the v block needs UNROLL * BLOCK_E >= 64 in 16-bit
-      precision (the default rule keeps it so; other configs fall back to one plain load of the
-      v block per iteration, whose latency is then exposed once per UNROLL tokens).
-    * The pipelined tiles pass through shared memory: (2 * BLOCK_D * GROUPS + BLOCK_E) * itemsize
-      bytes per token, times UNROLL * (num_stages - 1). The default rule stays under 48 KiB; a
-      config from elsewhere can exceed the card's limit, and Triton then raises OutOfResources.
+Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
+1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
+slice are int32: it must span fewer than 2**31 elements. Inputs float32, float16 or bfloat16;
+products and the state in float32; o in the input dtype.
+Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
+and 3.9; GPU runs with Triton 3.6.
+Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
+[BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
+tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
+mostly in-thread. GROUPS must equal the lanes the k tile leaves (``_groups``), and any
+[BLOCK_D, BLOCK_E] load can impose its layout on the loop: the initial state is therefore added
+row by row. v is loaded as one [UNROLL, GROUPS, COLS] block so that Triton's pipeliner copies it
+asynchronously. The blocks walk is fast only while its cumsum axis stays in each thread; larger
+tiles spill. tests/test_recurrent.py checks the compiled layouts: run it after a Triton upgrade.
+A config whose pipelined tiles exceed the GPU's shared memory fails at launch.
 """
 
 from __future__ import annotations
@@ -130,10 +58,10 @@ def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
 
 
 @triton.jit
-def recurrent_kernel(
+def recurrent_tokens_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E), (B, H, T, E)
-    s0_ptr,  # initial state (B, H, D, E), float32; read only if has_initial_state
-    sT_ptr,  # final state (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
@@ -148,6 +76,7 @@ def recurrent_kernel(
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
 ):
+    """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
     # side by side and find those rows in cache, and B * H is not capped at 65535 as grid axis 1 is.
     num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
@@ -157,7 +86,7 @@ def recurrent_kernel(
     h = (pid_bh % H).to(tl.int64)
     GROUPS: tl.constexpr = BLOCK_E // COLS
 
-    # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see "Register layout").
+    # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = pid_e * BLOCK_E + tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     mask_d = offs_d < D
@@ -167,8 +96,8 @@ def recurrent_kernel(
 
     b_state = tl.zeros([BLOCK_D, GROUPS, COLS], dtype=tl.float32)
     if has_initial_state:
-        # Row by row, so that this load does not impose its layout on the loop (see "Fragile").
-        s0_row_ptr = s0_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :, :] * stride_s0e
+        # Row by row, so that this load does not impose its layout on the loop.
+        s0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :, :] * stride_s0e
         for d in range(0, D):
             b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_row, other=0.0)
             b_state += tl.where(offs_d[:, None, None] == d, b_row, 0.0)
@@ -192,7 +121,7 @@ def recurrent_kernel(
     # Whole iterations need no sequence mask; the last T % UNROLL tokens run one by one below.
     T_full = T - T % UNROLL
     for _ in tl.range(0, T_full, UNROLL, num_stages=NUM_STAGES):
-        # The UNROLL tokens' v rows as one block (pipelined; see "Register layout").
+        # The UNROLL tokens' v rows as one block, large enough to be copied asynchronously.
         b_v_block = tl.load(v_row_ptr + offs_u[:, None, None] * step_v, mask=mask_row, other=0.0).to(tl.float32)
         # Unrolled: the loads do not depend on the state, so they can all be in flight together;
         # only the state update chains from token to token.
@@ -213,15 +142,15 @@ def recurrent_kernel(
         o_row_ptr += step_o
 
     if store_final_state:
-        sT_tile_ptr = sT_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None, None] * E + offs_e[None, :, :]
-        tl.store(sT_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
+        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None, None] * E + offs_e[None, :, :]
+        tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
 
 
 @triton.jit
-def recurrent_cumsum_kernel(
+def recurrent_blocks_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
-    s0_ptr,  # initial state (B, H, D, E), float32; read only if has_initial_state
-    sT_ptr,  # final state (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
@@ -255,13 +184,13 @@ def recurrent_cumsum_kernel(
     # This program's slice of the state, S[d0:d0 + BLOCK_D, e0:e0 + BLOCK_E], in float32.
     b_state = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
     if has_initial_state:
-        # Row by row, so that this load does not impose its layout on the loop (see recurrent_kernel).
-        s0_row_ptr = s0_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :] * stride_s0e
+        # Row by row, so that this load does not impose its layout on the loop.
+        s0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :] * stride_s0e
         for d in range(pid_d * BLOCK_D, tl.minimum(D, (pid_d + 1) * BLOCK_D)):
             b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_e[None, :], other=0.0)
             b_state += tl.where(offs_d[:, None] == d, b_row, 0.0)
 
-    # Step i reads token first + direction * i (tl.cast: see recurrent_kernel). The offsets
+    # Step i reads token first + direction * i (tl.cast: see recurrent_tokens_kernel). The offsets
     # within a block are 32-bit: 64-bit ones for every element would double the registers of
     # the pointer tiles, and the block loop then spills.
     first = tl.cast(reverse * (T - 1), tl.int64)
@@ -291,47 +220,76 @@ def recurrent_cumsum_kernel(
         o_block_ptr += direction * BLOCK_T * stride_ot
 
     if store_final_state:
-        sT_tile_ptr = sT_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
-        tl.store(sT_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
+        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
+        tl.store(final_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
 
 
-#: The two walks: "tokens" (recurrent_kernel, one token per step) and "blocks"
-#: (recurrent_cumsum_kernel, BLOCK_T tokens per step), and the ``config`` keys each one reads.
+#: The two walks: "tokens" (recurrent_tokens_kernel, one token per step) and "blocks"
+#: (recurrent_blocks_kernel, BLOCK_T tokens per step), and the ``config`` keys each one reads.
 WALK_KEYS = {
     "tokens": ("BLOCK_E", "COLS", "UNROLL", "num_warps", "num_stages"),
     "blocks": ("BLOCK_D", "BLOCK_E", "BLOCK_T", "num_warps", "num_stages"),
 }
 
-#: Keys a ``config`` dict may set ("WALK" picks the walk; the others belong to one walk each).
+#: Keys a ``config`` may set: "WALK" picks the walk (without it, the rule's walk if it reads
+#: every key given, else the walk that does); the others belong to one walk each.
 CONFIG_KEYS = ("WALK", *dict.fromkeys(WALK_KEYS["tokens"] + WALK_KEYS["blocks"]))
 
 #: Shared memory the default rule allows for the pipelined tiles of one program.
 _SHARED_MEMORY_BUDGET = 48 * 1024
 
-#: Alternatives to the default rule worth timing on a new GPU (D = 64 and 128 in mind); see the
-#: module docstring. Per-token SASS instructions of one warp (sm_90, bf16, Triton 3.6) in comments.
+#: Alternatives to the default rule worth timing on a new GPU (D = 64 and 128 in mind).
 TUNING_CANDIDATES = (
-    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule: 105
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule
     {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},   # the same, half the smem
-    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest per element: 161
-    {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, token walk: 77
-    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule: 161
-    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # few heads rule: 37
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest instructions
+    {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, tokens walk
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule
+    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # few heads rule
     {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 8, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # 4 key blocks
-    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},  # 38
+    {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},
     {"WALK": "blocks", "BLOCK_D": 64, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},  # D = 64 unsplit
 )
 
-#: SMs of an H100/H200: the rule's assumption when there is no GPU to ask (launches recorded or
-#: compiled on a machine without one).
-_NOMINAL_MULTIPROCESSORS = 132
+#: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers
+#: (launches recorded or compiled on a machine without one).
+_NOMINAL_LIMITS = (132, 232448)
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def check_config(config):
+    """A TypeError or ValueError naming the key and its limit for a config the kernels cannot run:
+    WALK "tokens" or "blocks" (and then only that walk's keys), the block sizes (BLOCK_E, COLS,
+    UNROLL, BLOCK_D, BLOCK_T) powers of two, num_warps a power of two up to 32, num_stages at
+    least 1."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
+    if "WALK" in config:
+        walk = config["WALK"]
+        if not isinstance(walk, str) or walk not in WALK_KEYS:
+            raise ValueError(f"WALK must be one of {tuple(WALK_KEYS)}, got {walk!r}")
+        stray = set(config) - {"WALK", *WALK_KEYS[walk]}
+        if stray:
+            raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
+                             f"{WALK_KEYS[walk]}")
+    for name, value in config.items():
+        if name in ("WALK", "num_warps", "num_stages"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value!r}")
+    warps, stages = config.get("num_warps", 1), config.get("num_stages", 1)
+    if not isinstance(warps, int) or isinstance(warps, bool) or not 1 <= warps <= 32 or warps & (warps - 1):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {warps!r}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"num_stages must be an int of at least 1, got {stages!r}")
+
+
 def _block_d(D: int) -> int:
-    # At least 16: below that a warp has more lanes than elements, and tiny blocks are where the
-    # compiler has historically struggled.
+    # At least 16: below that a warp has more lanes than elements.
     return max(16, triton.next_power_of_2(D))
 
 
@@ -343,52 +301,43 @@ def _groups(block_d: int, itemsize: int, num_warps: int = 1) -> int:
 
 
 def _shared_memory_bytes(block_d: int, cfg: dict, itemsize: int) -> int:
-    """Shared memory of the token walk's pipelined loads: the k and q tiles and the v row of each token."""
+    """Shared memory of the tokens walk's pipelined loads: the k and q tiles and the v row of each token."""
     groups = cfg["BLOCK_E"] // cfg["COLS"]
     per_token = (2 * block_d * groups + cfg["BLOCK_E"]) * itemsize
     return cfg["UNROLL"] * (cfg["num_stages"] - 1) * per_token
 
 
 def _blocks_config(D: int) -> dict:
-    """The block walk's rule: 32 key rows and 4 value columns a program (two programs share
+    """The blocks walk's rule: 32 key rows and 4 value columns a program (two programs share
     D = 64 and add their partial outputs), 32 steps a block, one warp, 3 stages."""
     return {"WALK": "blocks", "BLOCK_D": min(32, _block_d(D)), "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1,
             "num_stages": 3}
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
+def _device_limits(device):
+    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
     if device.type != "cuda":
-        return _NOMINAL_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return _NOMINAL_LIMITS
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
 def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int | None) -> dict:
     """The wrapper's rule: which walk, and its block sizes, num_warps and num_stages.
 
-    ``multiprocessors``: the GPU's SM count, or None under the interpreter.
+    ``multiprocessors``: the GPU's count, or None under the interpreter.
 
-    * Many (batch, head) pairs, or D > 64: the token walk. One warp per program: the sum over D
-      then never crosses warps (no shared memory, no barriers), and many small programs hide
-      each other's latency.
-
-      - BLOCK_E / COLS groups = the lanes the k tile leaves (``_groups``: 4 for D = 64 in 16-bit
-        precision); see "Fragile" in the module docstring.
-      - BLOCK_E = 8 (at least one column per group), UNROLL = 8: for D = 64 bf16 two columns
-        per thread share each k and q load, about 6.6 instructions per state element and token.
-      - num_stages = 3: the loads of the next two iterations are in flight while one is
-        computed; stages, then UNROLL, shrink until the pipelined tiles fit the budget.
-    * Few pairs (fewer than 3 token-walk programs per SM: long sequences, few heads) and
-      D <= 64: the block walk (``_blocks_config``). A warp alone on its scheduler is then bound
-      by the latency of each token's chain of dependent instructions (about 90 ns a token on
-      an H200, whatever the program count up to one warp per scheduler); the block walk's
-      steps are independent but for one cumsum (33 ns a token at 256 programs), but it does
-      twice the arithmetic per state element and has 4x the programs, so it slows down
-      as soon as they outnumber the schedulers. Measured crossover (H200, bf16, D = 64):
-      about 2.8 token programs per SM; at (4, 16, 8192, 64), 3.9 per SM, the token walk is
-      25 % faster, at (1, 8, 65536, 64) the block walk 2.7x.
-    * The interpreter runs programs one after another, so there the rule takes the token walk
-      with large blocks instead: fewer, larger programs finish sooner.
+    * Many (batch, head) pairs, or D > 64: the tokens walk (``_tokens_config``), one warp per
+      program (the sum over D never crosses warps; many small programs hide each other's
+      latency). GROUPS = the lanes the k tile leaves (``_groups``), BLOCK_E = 8 at least (one
+      column per group), UNROLL = 8 and 3 stages, shrunk until the pipelined tiles fit the budget.
+    * Fewer than 3 tokens-walk programs per multiprocessor and D <= 64: the blocks walk
+      (``_blocks_config``). A warp alone on its scheduler is then bound by the latency of each
+      token's chain of dependent instructions, which the blocks walk's independent steps avoid;
+      with more programs its extra arithmetic costs more than it saves.
+    * The interpreter runs programs one after another: there the tokens walk with large blocks
+      (fewer, larger programs) finishes soonest.
     """
     block_d = _block_d(D)
     largest_e = triton.next_power_of_2(E)
@@ -403,7 +352,7 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
 
 
 def _tokens_config(D: int, dtype: torch.dtype) -> dict:
-    """The token walk's rule (see ``default_config``)."""
+    """The tokens walk's rule (see ``default_config``)."""
     block_d = _block_d(D)
     groups = _groups(block_d, dtype.itemsize)
     block_e = max(8, groups)
@@ -417,30 +366,24 @@ def _tokens_config(D: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-# The rule costs microseconds of Python; a launch costs tens of them in all, and at small sizes
-# the host, not the GPU, sets the pace. Callers must not modify the dict it returns.
+# The rule costs microseconds of Python, a sizeable part of a small call's host time. Callers
+# must not modify the dict it returns.
 _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 
 def _resolve_config(q, v, config):
+    """The rule for these inputs with the caller's (checked) keys applied."""
     B, H, _, D = q.shape
     E = v.shape[-1]
     # The interpreter rule is for speed under TRITON_INTERPRET=1; ask Triton, not the device, so
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
-    multiprocessors = None if triton.knobs.runtime.interpret else _multiprocessor_count(q.device)
+    multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
     if config is None:
         return chosen
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
-    unknown = set(config) - set(CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {CONFIG_KEYS}")
     # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
     readers = [walk for walk, keys in WALK_KEYS.items() if set(config) <= set(keys)]
     walk = config.get("WALK", chosen["WALK"] if chosen["WALK"] in readers or not readers else readers[0])
-    if not isinstance(walk, str) or walk not in WALK_KEYS:
-        raise ValueError(f"WALK must be one of {tuple(WALK_KEYS)}, got {walk!r}")
     stray = set(config) - {"WALK", *WALK_KEYS[walk]}
     if stray:
         raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
@@ -451,15 +394,6 @@ def _resolve_config(q, v, config):
     if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
         groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
         chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
-    for name in WALK_KEYS[walk][:3]:  # the block sizes
-        value = chosen[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value!r}")
-    warps, stages = chosen["num_warps"], chosen["num_stages"]
-    if not isinstance(warps, int) or isinstance(warps, bool) or not 1 <= warps <= 32 or warps & (warps - 1):
-        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {warps!r}")
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ValueError(f"num_stages must be an int of at least 1, got {stages!r}")
     if walk == "tokens" and chosen["COLS"] > chosen["BLOCK_E"]:
         raise ValueError(f"COLS ({chosen['COLS']}) must not exceed BLOCK_E ({chosen['BLOCK_E']})")
     if walk == "blocks":
@@ -488,7 +422,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     if cfg["WALK"] == "tokens":
         grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
         with _launch_guard():
-            recurrent_kernel[grid](
+            recurrent_tokens_kernel[grid](
                 q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
                 *arguments, *o.stride(), *s0_strides,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
@@ -501,7 +435,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
              if key_blocks > 1 else o[None])
     grid = (triton.cdiv(E, cfg["BLOCK_E"]) * key_blocks * B * H,)
     with _launch_guard():
-        recurrent_cumsum_kernel[grid](
+        recurrent_blocks_kernel[grid](
             q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
             *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
             BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
@@ -668,7 +602,8 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
-    (benchmarks sweep it); None means the wrapper's own rule."""
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
     return _run_validated(q, k, v, initial_state, config)
 
@@ -676,6 +611,8 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
 def _run_validated(q, k, v, initial_state=None, config=None):
     """``recurrent_causal_product`` for inputs already through ``check_inputs`` (the package's API
     makes the same checks, once)."""
+    if config is not None:
+        check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
@@ -687,7 +624,7 @@ def _signature(dtype: torch.dtype, walk: str = "tokens", parts: bool = False) ->
     """The launch signature of one walk's kernel; ``parts``: o is the block walk's float32 parts."""
     tensor = "*" + _TRITON_DTYPES[dtype]
     signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": "*fp32" if parts else tensor,
-                 "s0_ptr": "*fp32", "sT_ptr": "*fp32"}
+                 "initial_state_ptr": "*fp32", "final_state_ptr": "*fp32"}
     scalars = ["T", "H", "D", "E", "reverse", "has_initial_state", "store_final_state"]
     scalars += [f"stride_{x}{axis}" for x in "qk" for axis in "bhtd"]
     scalars += [f"stride_{x}{axis}" for x in "vo" for axis in "bhte"]
@@ -702,10 +639,10 @@ def _signature(dtype: torch.dtype, walk: str = "tokens", parts: bool = False) ->
 def _variant(dtype: torch.dtype, block_d: int, cfg: dict) -> dict:
     """The launch ``_launch`` makes for a (padded) key dimension ``block_d`` with config ``cfg``."""
     if cfg["WALK"] == "tokens":
-        kernel, parts = recurrent_kernel, False
+        kernel, parts = recurrent_tokens_kernel, False
         constexprs = {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"], "UNROLL": cfg["UNROLL"]}
     else:
-        kernel, parts = recurrent_cumsum_kernel, cfg["BLOCK_D"] < block_d
+        kernel, parts = recurrent_blocks_kernel, cfg["BLOCK_D"] < block_d
         constexprs = {"BLOCK_D": min(cfg["BLOCK_D"], block_d), "BLOCK_E": cfg["BLOCK_E"], "BLOCK_T": cfg["BLOCK_T"]}
     return {"kernel": kernel, "signature": _signature(dtype, cfg["WALK"], parts),
             "constexprs": {**constexprs, "NUM_STAGES": cfg["num_stages"]},
@@ -722,7 +659,7 @@ def launch_variants():
     for dtype in _TRITON_DTYPES:
         # On a GPU the rule's choice depends only on BLOCK_D, the dtype and on whether the grid
         # fills the card (heads 1 or 4096). The candidates are timed at D = 64 and 128.
-        configs = [(block_d, default_config(1, heads, block_d, 64, dtype, _NOMINAL_MULTIPROCESSORS))
+        configs = [(block_d, default_config(1, heads, block_d, 64, dtype, _NOMINAL_LIMITS[0]))
                    for block_d in (16, 32, 64, 128, 256) for heads in (1, 4096)]
         configs += [(block_d, dict(candidate)) for block_d in (64, 128) for candidate in TUNING_CANDIDATES]
         for variant in (_variant(dtype, block_d, cfg) for block_d, cfg in configs):

@@ -1,85 +1,42 @@
 """Scan causal dot product: segment states combined by a parallel prefix sum.
 
-Algorithm. The causal product's state is a prefix sum, S_t = S_0 + sum_{j <= t} k_j v_j^T, and a
-prefix sum of T terms need not be walked one term after another: cut the sequence into NS
-segments of L tokens, sum each segment on its own, scan the NS sums, and every segment knows
-where it starts (the "reduce, then scan, then propagate" prefix sum of Blelloch, "Prefix sums
-and their applications", 1990). Three passes in two launches:
+The state of the causal product is a prefix sum, S_t = S_0 + sum_{j <= t} k_j v_j^T. Cut the
+sequence into NS segments of L tokens, sum each segment on its own, scan the NS sums, and each
+segment knows the state it starts from (Blelloch's reduce-then-scan, "Prefix sums and their
+applications", 1990). Three passes in two launches:
 
-  1. summaries, one program per (batch*head, segment, block of E):  U_s = sum_{c in s} K_c^T V_c,
-     walking the segment's chunks of C tokens on tensor-core tiles.
-  2. scan, in the same launch: the last pass-1 program of each (batch*head, block of E) to finish
-     (an atomic counter tells it) computes P_s = S_0 + sum_{j<s} U_j for every segment: all
-     D x BLOCK_E entries at once, the segments one after another with a running carry.
-  3. outputs, one program per (batch*head, segment, block of E): from P_s, the chunked form
-         O_c = Q_c S + ((Q_c K_c^T) * M) V_c,   then   S <- S + K_c^T V_c,
-     and the program of the last segment stores S_T.
+  1. ``scan_summaries_kernel``, one program per (batch*head, segment, block of E): the segment's
+     sum U = K^T V over chunks of C tokens, into slot w + 1 of a float32 buffer (B*H, NS, D, E)
+     indexed by walk position w.
+  2. In the same launch, the last program of each (batch*head, block of E) to finish (an atomic
+     count) scans the slots (``_scan_start_states``): slot w <- S_0 + the sums before it.
+  3. ``scan_outputs_kernel``, one program per (batch*head, segment, block of E): from its start
+     state, the chunked form  O_c = Q_c S + ((Q_c K_c^T) * M) V_c,  S <- S + K_c^T V_c; the
+     last segment stores S_T.
+Pass 2 has no launch of its own: this method is for few long sequences, where the host's time
+per launch sets the pace. The last walked segment is never summed (its sum only feeds S_T).
 
-Why pass 2 has no launch of its own: a launch costs tens of microseconds of host time, and at
-the sizes where this method is chosen (one long sequence, few heads) the host sets the pace.
-Measured on an H200 at (1, 8, 65536, 64), bf16, forward: three launches took 0.30 ms a call
-(0.139 ms of it GPU time); two take 0.214 ms, although the GPU alone now needs 0.212 ms, since
-the last program's serial walk over 64 segments adds about 75 us to pass 1.
+Backward, with dO the gradient of o and G that of S_T:  dQ = forward product (dO, V, K) from the
+forward's start states transposed; dV = reverse product (K, Q, dO) from G, whose final state is
+dS_0; dK = reverse product (V, dO, Q) from the same suffix states transposed. ``reverse`` = 1
+walks segments and chunks from last to first with the upper triangle. For 16-bit heads up to 64
+wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_kernel`` runs thrice.
 
-Passes 1 and 3 are independent across segments, so one long sequence with few heads still
-gives the GPU NS times more programs than a kernel that walks T in one program. The price is
-reading k and v twice and moving NS float32 states (D x E) through memory; the wrapper picks L
-so that both stay small (see ``_segment_length``). Pass 1 never sums the last segment: its sum
-only feeds S_T, which pass 3 produces anyway; with one segment passes 1 and 2 are skipped.
-
-Buffer layout. The start states live in a float32 buffer (B*H, NS, D, E) indexed by *walk
-position*: slot w holds the state the w-th walked segment starts from. Pass 1 writes the sum of
-the w-th walked segment into slot w + 1, pass 2 writes S_0 into slot 0 and replaces slots
-1..NS-1 by their inclusive prefix sums. Pass 2 does not know the walking direction.
-
-Backward. With dO the gradient of o and G that of S_T (zeros when unused):
-
-    dQ = forward product of (q=dO, k=V, v=K) from S_0^T  -- start states: the forward's, transposed
-    dV = reverse product of (q=K, k=Q, v=dO) from G      -- its final state is dS_0
-    dK = reverse product of (q=V, k=dO, v=Q) from G^T    -- start states: dV's, transposed
-
-``REVERSE=True`` walks segments and chunks from last to first with the upper triangle of the
-mask, so the state is a suffix sum. Transposes are free: the kernels take the strides of the
-states. The backward runs passes 1 and 2 once, for the suffix sums R = G + sum_{t >= s} q_t dO_t^T,
-then pass 3 for all three products. For 16-bit heads up to 64 wide that is one launch of
-``_segment_backward_kernel``, whose program walks its segment forwards for dQ, then backwards
-for dK and dV together (their states are R and R^T); otherwise ``_segment_outputs_kernel``
-runs three times. A forward and backward thus take four launches (six without the fusion).
-Measured on an H200 at (1, 8, 65536, 64), bf16, forward and backward: 0.511 ms of GPU time
-against 0.578 with three pass-3 launches (the gradients were bit-identical), and about 1.0 ms
-a call against 1.35, the host's share shrinking with the launches.
-
-Shapes: q, k (B, H, T, D); v (B, H, T, E); o (B, H, T, E); states (B, H, D, E) float32. Any
-strides; any T >= 0 (partial chunks and segments are masked); D and E from 1 to 256 (blocks are
-powers of two of at least 16, because ``tl.dot`` on a GPU needs every dimension >= 16).
-
-Precision: every product accumulates in float32.
-  float32 inputs: products in IEEE float32 (TF32 would cost about 1e-3 of relative error).
-  bfloat16 inputs: bfloat16 operands; the float32 state and scores are rounded to bfloat16 to
-      meet q and v (bfloat16 has float32's exponent range, so nothing overflows).
-  float16 inputs: the state and the scores never become float16 (a long sequence of positive
-      features takes the state past float16's 65504); those two products take float32 operands
-      as TF32, whose 10-bit mantissa holds float16 values exactly.
-
-Memory: the forward keeps its start states, B*H*NS*D*E float32, for the backward's dQ.
-
-Tested with Triton 3.9 (CPU interpreter, and compilation for sm_80 / sm_90 without a GPU) and on
-an H200 with Triton 3.6. ptxas (3.6, sm_90) reports no spills in pass 3 for 16-bit inputs; pass
-1 spills in its main loop for D > 128 and for the 4-warp D = 128, BLOCK_E = 64 candidate (as it
-did before pass 2 joined it), and in pass 2's tail for some tiles. Fragile:
-  - the segment length only decides how the work is cut, never the result, but its default rule
-    counts SMs, so under the interpreter it assumes an H100/H200 (132);
-  - float32 inputs spill registers from BLOCK_D = 64 on (IEEE products keep whole operand rows
-    in registers); they are the exact path, not the fast one;
-  - the interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 bit patterns
-    in tl.dot; under it (INTERPRETED) the kernels round by hand and widen dot operands to
-    float32, so that the CPU computes what the GPU does;
-  - the masks select (``tl.where``), so a non-finite k never reaches earlier outputs; but a
-    chunk's products multiply the masked zeros by every row of v (and of k, for dQ), and
-    0 * inf is NaN: a non-finite v reaches the earlier outputs, a non-finite k the earlier
-    q-gradients, of its own chunk. Zero a padded batch's padding first;
-  - offsets inside one (batch, head, segment) are int32; a configuration needing more shared
-    memory than the GPU has fails at launch with an out-of-resources error.
+Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
+1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
+inside one (batch, head) slice are int32: it must span fewer than 2**31 elements. The forward
+keeps its start states, B*H*NS*D*E float32, for the backward.
+Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
+rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
+Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
+and 3.9; GPU runs with Triton 3.6.
+Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
+without a GPU assumes an H100/H200's. float32 spills registers from BLOCK_D = 64 on (the exact
+path, not the fast one). A non-finite v reaches the earlier outputs of its chunk (masked zeros
+times inf is NaN), a non-finite k the earlier q-gradients: zero padding first. A config that
+needs more shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16
+bit patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the
+kernels round by hand (``_rounded``) and widen every product operand to float32.
 """
 
 from __future__ import annotations
@@ -98,9 +55,8 @@ import triton.language as tl
 
 @triton.jit
 def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x.to(DTYPE), rounded to nearest even as on the GPU. Triton's interpreter truncates float32
-    to bfloat16, which would double the rounding errors our CPU tests see; so under it, round
-    the float32 bit pattern first (add half an ulp of bfloat16, ties to even, drop 16 bits)."""
+    """x.to(DTYPE), rounded to nearest even as on a GPU. The interpreter truncates float32 to
+    bfloat16, so under it round the bit pattern first (half an ulp, ties to even, drop 16 bits)."""
     if INTERPRETED:
         if DTYPE == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
@@ -110,29 +66,28 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _segment_summaries_kernel(
+def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
-    initial_state_ptr,              # S_0 of the walk, read through its strides (pass 2)
+    initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
-    T, D, E, H,
+    T, H, D, E,
     segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
+    reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
-    stride_ib, stride_ih, stride_id, stride_ie,
-    REVERSE: tl.constexpr,          # walk segments from last to first
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
-    BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
+    BLOCK_E: tl.constexpr,          # the value columns this program owns
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
-    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see pass 3
+    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
 ):
-    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1), stored into slot w + 1.
-    The last program of a (batch*head, value block) to finish then runs pass 2 for all of them."""
+    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
+    program of a (batch*head, value block) to finish then runs pass 2."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
-    # second finds it in L2), and there is no 65535 limit as on grid axes 1 and 2. No program
-    # sums the last walked segment: its sum would only feed S_T, which pass 3 stores.
+    # second finds it in L2), and B * H is not limited to 65535 as on grid axes 1 and 2.
     e_blocks = (E + BLOCK_E - 1) // BLOCK_E
     pid = tl.program_id(0)
     e_block = pid % e_blocks
@@ -140,10 +95,7 @@ def _segment_summaries_kernel(
     bh = pid // (e_blocks * (n_segments - 1))
     b = bh // H
     h = bh % H
-    if REVERSE:
-        segment = n_segments - 1 - walk
-    else:
-        segment = walk
+    segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
     segment_start = segment * segment_len
     tokens = tl.minimum(segment_len, T - segment_start)
 
@@ -173,38 +125,33 @@ def _segment_summaries_kernel(
              mask=mask_d[:, None] & mask_e[None, :])
 
     # Pass 2 needs every sum of this (batch*head, value block), and programs cannot wait for
-    # each other. So each program counts itself in when its sum is stored, and the one that
-    # arrives last, which sees NS - 2 earlier arrivals, runs the scan. The barrier puts every
-    # thread's stores before the count; the count's acquire-release order makes the other
-    # programs' sums visible to the last one (a separate launch would cost more host time).
+    # each other: each counts itself in once its sum is stored, and the last to arrive (NS - 2
+    # earlier arrivals) scans. The barrier orders every thread's stores before the count; the
+    # count's acquire-release order makes the other programs' sums visible to the last one.
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + bh * e_blocks + e_block, 1, sem="acq_rel")
     if arrived == n_segments - 2:
-        initial_state_ptr += b64 * stride_ib + h64 * stride_ih
-        _scan_start_states(states_ptr, initial_state_ptr, stride_id, stride_ie, D, E, n_segments,
+        initial_state_ptr += b64 * stride_s0b + h64 * stride_s0h
+        _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
                            e_block, BLOCK_D, BLOCK_E)
 
 
 @triton.jit
-def _scan_start_states(states_ptr, initial_state_ptr, stride_id, stride_ie, D, E, n_segments,
+def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
                        e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, an inclusive prefix
-    sum seeded with S_0 in slot 0. states_ptr: this head's (NS, D, E) buffer.
+    """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
+    slot 0. states_ptr: this head's (NS, D, E) buffer.
 
-    ROWS rows of the [BLOCK_D, BLOCK_E] slice at once, all their entries in parallel across the
-    threads; the segment axis serially, with a running carry. Each step waits for its load from
-    L2 (about 1.2 us a step on an H200: 75 us for 64 segments at D = E = 64), so the fewer steps
-    the better: the whole slice when it has at most 4096 entries, else 2048 entries a step. A
-    larger tile spills registers in the main loop of pass 1 (ptxas, sm_90); the tile here only
-    spills in this tail, where the L2 latency dominates anyway. (tl.cumsum over blocks of 16
-    segments with a carry is no faster: the serial chain of L2 loads is the same.)"""
+    The segments one after another with a running carry, ROWS rows of the slice at a time. Each
+    step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
+    entries, else 2048 a step (a larger tile spills registers in pass 1's main loop)."""
     ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
     offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
         offs_state = offs_d[:, None] * E + offs_e[None, :]
-        b_carry = tl.load(initial_state_ptr + offs_d[:, None] * stride_id + offs_e[None, :] * stride_ie,
+        b_carry = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
                           mask=mask, other=0.0)
         slot_ptr = states_ptr  # a scalar that steps D * E a slot: fewer registers than a tile of pointers
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
@@ -216,33 +163,30 @@ def _scan_start_states(states_ptr, initial_state_ptr, stride_id, stride_ie, D, E
 
 
 @triton.jit
-def _segment_outputs_kernel(
+def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
     final_state_ptr,                # float32 (B*H, D, E), contiguous
-    T, D, E, H,
+    T, H, D, E,
     segment_len, n_segments,
+    reverse,                        # 1: walk from last to first, so that o_t sees tokens j >= t
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_sb, stride_sh, stride_sw, stride_sd, stride_se,
-    REVERSE: tl.constexpr,          # walk from last to first: o_t sees tokens j >= t
     BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
-    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see below
+    INTERPRETED: tl.constexpr,
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
-    # The operand type that meets the float32 state and scores: bfloat16 shares float32's
-    # exponent range, float16 does not (see the module docstring).
+    # The operand type that meets the float32 state and scores (see the header).
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
-    # Triton's interpreter multiplies the bit patterns of bfloat16 operands in tl.dot (Triton
-    # issue #11584) and truncates float32 to bfloat16. Under it, values are rounded as the GPU
-    # rounds them (_rounded) and every dot operand is widened to float32 afterwards, which gives
-    # the GPU's products exactly: a product of two 16-bit floats is exact in float32.
+    # Under the interpreter every operand is widened to float32 after its rounding: a product of
+    # two 16-bit floats is exact in float32, so the CPU computes the GPU's products.
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     # A flat grid as in pass 1, over every walk position.
@@ -253,10 +197,7 @@ def _segment_outputs_kernel(
     bh = pid // (e_blocks * n_segments)
     b = bh // H
     h = bh % H
-    if REVERSE:
-        segment = n_segments - 1 - walk
-    else:
-        segment = walk
+    segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
     segment_start = segment * segment_len
     tokens = tl.minimum(segment_len, T - segment_start)
     n_chunks = (tokens + CHUNK - 1) // CHUNK
@@ -267,10 +208,7 @@ def _segment_outputs_kernel(
     mask_d = offs_d < D
     mask_e = offs_e < E
     mask_de = mask_d[:, None] & mask_e[None, :]
-    if REVERSE:
-        causal = offs_c[:, None] <= offs_c[None, :]
-    else:
-        causal = offs_c[:, None] >= offs_c[None, :]
+    causal = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
 
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
     q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
@@ -282,10 +220,7 @@ def _segment_outputs_kernel(
                       mask=mask_de, other=0.0)
 
     for i in range(0, n_chunks):
-        if REVERSE:
-            chunk_start = (n_chunks - 1 - i) * CHUNK
-        else:
-            chunk_start = i * CHUNK
+        chunk_start = tl.where(reverse != 0, n_chunks - 1 - i, i) * CHUNK
         offs_t = chunk_start + offs_c
         mask_t = offs_t < tokens
         b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
@@ -314,13 +249,13 @@ def _segment_outputs_kernel(
 
 
 @triton.jit
-def _segment_backward_kernel(
+def scan_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
     ds0_ptr,                        # float32 (B*H, D, E), contiguous: dS_0, written by segment 0
-    T, D, E, H,
+    T, H, D, E,
     segment_len, n_segments,
     compute_dq,                     # 0: q needs no gradient; skip the forward walk (dq_ptr unused)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -335,7 +270,7 @@ def _segment_backward_kernel(
     BLOCK_D: tl.constexpr,          # >= D
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
-    INTERPRETED: tl.constexpr,      # True only under the CPU interpreter, see pass 3
+    INTERPRETED: tl.constexpr,
 ):
     """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
@@ -344,8 +279,7 @@ def _segment_backward_kernel(
     segments of Q^T dO (D x E), with U the upper triangle,
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
-    and the program of the first segment stores the final R, dS_0. The same products as three
-    launches of pass 3 (module docstring), with one launch and one read of q, k, v and dO."""
+    and the program of the first segment stores the final R, dS_0."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
@@ -437,18 +371,17 @@ def _segment_backward_kernel(
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
 
-# ----------------------------------------------------------------------------------------------
-# Host side: configurations, the three launches, autograd.
+# Host side: configuration, launches, autograd.
 
 #: Keys a ``config`` may set. CHUNK, BLOCK_E, num_warps and num_stages shape the compiled
-#: kernels of passes 1 and 3; SEGMENT_LEN (tokens per segment, a multiple of CHUNK) is a
-#: runtime argument and only decides how the work is cut.
+#: kernels; SEGMENT_LEN (tokens per segment, a multiple of CHUNK) is a runtime argument and only
+#: decides how the work is cut.
 CONFIG_KEYS = ("CHUNK", "BLOCK_E", "SEGMENT_LEN", "num_warps", "num_stages")
 
-#: Configurations for the benchmark to sweep on a GPU (bfloat16, D = E = 64 and 128): the
-#: default rule's blocks (keys left out) and three alternatives, each with the rule's segment
-#: length (None) and three fixed ones. The alternatives are ones that compile without spills in
-#: bfloat16 and fit the shared memory of sm_80 and sm_90 in every dtype up to D = E = 128.
+#: Configurations for a benchmark to sweep on a GPU (bfloat16, D = E = 64 and 128): the default
+#: rule's blocks (keys left out) and three alternatives that compile without spills in bfloat16
+#: and fit sm_80's and sm_90's shared memory up to D = E = 128, each with the rule's segment
+#: length (None) and three fixed ones.
 TUNING_CANDIDATES = [
     {**blocks, "SEGMENT_LEN": length}
     for blocks in (
@@ -484,16 +417,22 @@ def check_config(config):
             raise ValueError(f"config {key} must be at least 1, got {value}")
 
 
-# Head dimensions the candidates are meant for (launch_variants compiles them for these).
+#: Head dimensions the candidates are meant for (``launch_variants`` compiles them for these).
 _TUNED_HEAD_DIMS = (64, 128)
-
-
-# Programs per SM that pass 3 aims for: several let one program's loads overlap another's
-# products, and more than one wave evens out programs that finish at different times.
+#: Pass-3 programs per multiprocessor the segment length aims for: several let one program's
+#: loads overlap another's products, and more than one wave evens out their finishing times.
 _PROGRAMS_PER_SM = 4
-# The interpreter has no SMs; cut the work as an H100/H200 (132 SMs) would, so CPU runs take
-# the same paths as the GPU.
-_ASSUMED_SM_COUNT = 132
+#: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
+_NOMINAL_LIMITS = (132, 232448)
+
+
+@functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
+def _device_limits(device):
+    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
+    if device.type != "cuda":
+        return _NOMINAL_LIMITS
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
 def _block(n):
@@ -502,21 +441,18 @@ def _block(n):
 
 
 def _default_blocks(D, E, dtype):
-    """CHUNK, BLOCK_E, num_warps and num_stages of passes 1 and 3, chosen so that pass 3 does
-    not spill registers on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
+    """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
+    on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
 
-    bfloat16: chunks of 64 tokens, so that each product is one 64-row tensor-core instruction
-        (wgmma). Pass 3 keeps three float32 tiles in registers, the state [BLOCK_D, BLOCK_E],
-        the scores [64, 64] and the output [64, BLOCK_E]; BLOCK_D * BLOCK_E <= 8192 (64 registers
-        a thread with 4 warps) and BLOCK_E <= 64 leave room for the rest (168 registers a thread
-        at D = E = 64, 228 at D = E = 128).
-    float16: the state and the scores enter their products as float32 (TF32), whose operands
-        take twice the registers: BLOCK_D * BLOCK_E <= 4096, and chunks of 32 when D or E
-        exceeds 128. (The chunk depends on D and E alike: the backward swaps them, and its
-        products must cut the forward's segments into the same chunks.)
-    float32: IEEE products run on CUDA cores with both operands in registers, a cost that grows
-        with BLOCK_D: chunks of 16, 8 warps, BLOCK_D * BLOCK_E <= 2048. From BLOCK_D = 64 on it
-        still spills some registers: float32 is the exact path, not the fast one.
+    bfloat16: chunks of 64 tokens, one 64-row tensor-core instruction (wgmma) per product; pass 3
+        holds the state [BLOCK_D, BLOCK_E], the scores [64, 64] and the output [64, BLOCK_E] in
+        float32 registers, so BLOCK_D * BLOCK_E <= 8192 (64 registers a thread on 4 warps) and
+        BLOCK_E <= 64.
+    float16: the state and scores enter their products as float32 (TF32), twice the registers:
+        BLOCK_D * BLOCK_E <= 4096, and chunks of 32 when D or E exceeds 128 (D and E alike: the
+        backward swaps them and must cut the forward's segments into the same chunks).
+    float32: IEEE products keep both operands in registers: chunks of 16, 8 warps,
+        BLOCK_D * BLOCK_E <= 2048.
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
@@ -530,66 +466,56 @@ def _default_blocks(D, E, dtype):
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
 
 
-def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, sm_count):
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
-    Parallelism: pass 3 runs batch_heads * e_blocks * NS programs; aim for _PROGRAMS_PER_SM of
-    them on every SM, i.e. NS = cdiv(programs wanted, batch_heads * e_blocks) segments of
-    T / NS tokens, rounded to the nearest power of two (at least one chunk): equal segments
-    that split the sequence evenly.
-    Traffic: each segment moves its float32 state (D * E * 4 bytes) about four times (pass 1
-    writes it, pass 2 reads and writes it, pass 3 reads it); keep that under a quarter of the
-    segment's own q, k, v, o bytes, L * (2D + 2E) * element_size, i.e.
-    L >= 64 * D * E / ((2D + 2E) * element_size), rounded up to a multiple of CHUNK.
-    When the two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
-
-    Measured on an H200 (Triton 3.6, bf16, (B, H, T, D=E) = (1, 8, 65536, 64), forward): segments
-    of 512 tokens took 0.250 ms, 1024 0.146, 1984 (the earlier rule: two programs per SM, any
-    multiple of CHUNK) 0.366, 4096 0.190. This rule gives 1024.
+    Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
+    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
+    that equal segments split the sequence evenly. Traffic: each segment moves its float32 state
+    (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
+    and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK. Where the
+    two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
     """
-    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(1, batch_heads * e_blocks))
+    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors, max(1, batch_heads * e_blocks))
     parallel_length = max(chunk, 2 ** round(math.log2(max(1.0, T / wanted_segments))))
     traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
     traffic_length = triton.cdiv(traffic_length, chunk) * chunk
     return max(parallel_length, traffic_length)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def default_config(B, H, T, D, E, dtype, multiprocessors):
+    """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
+    ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors."""
+    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, ()))
 
 
-# Shared memory one program may use on an H100 or H200 (227 KiB): assumed where no GPU answers.
-_HOPPER_SHARED_MEMORY = 232448
+@functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides):
+    """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
+    config = dict(overrides)
+    resolved = {**_default_blocks(D, E, dtype), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
+    length = config.get("SEGMENT_LEN")
+    if length is None:
+        length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
+                                 dtype.itemsize, multiprocessors)
+    elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
+        raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
+                         f"got {length}")
+    resolved["SEGMENT_LEN"] = length
+    return resolved
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device):
-    if device.type != "cuda":
-        return _HOPPER_SHARED_MEMORY
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+def _resolve_config(q, v, config):
+    """The launch configuration for these inputs: the rule, then the caller's keys."""
+    B, H, T, D = q.shape
+    overrides = tuple(sorted((config or {}).items()))
+    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides)
 
 
-#: The fused backward (``_segment_backward_kernel``) holds R (D x E), two [C, C] score tiles and
-#: the dK and dV tiles of a chunk in registers at once, which fits 16-bit heads up to 64 wide.
-_FUSED_BACKWARD_MAX_BLOCK = 64
-
-
-def _fused_backward_config(D, E, dtype, chunk, shared_memory):
-    """Launch parameters of the fused backward, or None where the backward runs pass 3 three
-    times instead (float32, or heads wider than 64). ``chunk``: the forward's CHUNK, the most
-    the fused kernel takes (32 for float16, whose float32 intermediates need the registers).
-    Four warps and four stages of loads, as the chunked kernel's fused backward measured best
-    on an H200 (0.111 ms against 0.229 with 8 warps and 2 stages, bfloat16 at D = E = 64);
-    stages shrink until q, k, v and dO in flight fit the GPU's shared memory."""
-    block_d, block_e = _block(D), _block(E)
-    if dtype == torch.float32 or max(block_d, block_e) > _FUSED_BACKWARD_MAX_BLOCK:
-        return None
-    fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": min(chunk, 64 if dtype == torch.bfloat16 else 32),
-             "num_warps": 4, "num_stages": 4}
-    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype) > shared_memory:
-        fused["num_stages"] -= 1
-    return fused
+#: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
+#: in registers at once, which fits 16-bit heads up to 64 wide.
+FUSED_BACKWARD_MAX_BLOCK = 64
+_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _fused_backward_shared_memory(fused, dtype):
@@ -599,37 +525,20 @@ def _fused_backward_shared_memory(fused, dtype):
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def _resolve_config(q, v, config):
-    """The full launch configuration: the default rule, then the caller's overrides. Callers must
-    not modify the dict it returns: it is cached (the rule costs microseconds of Python a call, a
-    sizeable part of a short call's host time)."""
-    B, H, T, D = q.shape
-    sm_count = _sm_count(q.device.index or 0) if q.device.type == "cuda" else _ASSUMED_SM_COUNT
-    overrides = tuple(sorted((config or {}).items()))
-    return _cached_config(B, H, T, D, v.shape[-1], q.dtype, sm_count, overrides)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_config(B, H, T, D, E, dtype, sm_count, overrides):
-    config = dict(overrides)
-    unknown = set(config) - set(CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
-    resolved = _default_blocks(D, E, dtype)
-    resolved.update({key: value for key, value in config.items() if key != "SEGMENT_LEN"})
-    for key in ("CHUNK", "BLOCK_E"):
-        if resolved[key] < 16 or resolved[key] & (resolved[key] - 1):
-            raise ValueError(f"config {key} must be a power of two >= 16, got {resolved[key]}")
-    if config.get("SEGMENT_LEN") is not None:
-        length = config["SEGMENT_LEN"]
-        if length < resolved["CHUNK"] or length % resolved["CHUNK"]:
-            raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK="
-                             f"{resolved['CHUNK']}, got {length}")
-    else:
-        length = _segment_length(T, B * H, D, E, resolved["CHUNK"],
-                                 triton.cdiv(E, resolved["BLOCK_E"]), dtype.itemsize, sm_count)
-    resolved["SEGMENT_LEN"] = length
-    return resolved
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1]):
+    """Launch parameters of ``scan_backward_kernel``, or None where the backward runs pass 3 three
+    times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK). CHUNK: the forward's,
+    at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates need the registers).
+    One program per segment leaves the load pipeline as its parallelism: 4 warps, 4 stages,
+    fewer stages until the loads in flight fit ``shared_memory``."""
+    block_d, block_e = _block(D), _block(E)
+    if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
+        return None
+    chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
+    fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
+    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype) > shared_memory:
+        fused["num_stages"] -= 1
+    return fused
 
 
 def _zero(device):
@@ -682,11 +591,10 @@ def _segment_starts(k, v, initial, *, reverse, config):
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
     with _launch_guard():
-        _segment_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
-            k, v, states, initial.tensor, arrivals, T, D, E, H, config["SEGMENT_LEN"], n_segments,
-            *k.stride(), *v.stride(), sb, sh, sd, se,
-            REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
-            INTERPRETED=triton.knobs.runtime.interpret,
+        scan_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
+            k, v, states, initial.tensor, arrivals, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
+            BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
@@ -701,51 +609,18 @@ def _segment_outputs(q, k, v, starts, *, reverse, config):
     o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
     final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
     with _launch_guard():
-        _segment_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
-            q, k, v, o, starts.tensor, final_state, T, D, E, H, config["SEGMENT_LEN"], n_segments,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
-            REVERSE=reverse, BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk,
-            INTERPRETED=triton.knobs.runtime.interpret,
+        scan_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
+            q, k, v, o, starts.tensor, final_state, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
+            BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state
 
 
-def _segment_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq):
-    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
-    B, H, T, D = q.shape
-    E = v.shape[-1]
-    n_segments = triton.cdiv(T, segment_len)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
-    ds0 = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
-    dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
-    with _launch_guard():
-        _segment_backward_kernel[(B * H * n_segments,)](
-            q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
-            T, D, E, H, segment_len, n_segments, int(compute_dq),
-            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
-            *forward_starts.strides, *suffix_starts.strides,
-            BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret,
-            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
-        )
-    return dq, dk, dv, ds0
-
-
-def _ints(names):
-    """Signature entries of integer arguments, for ``launch_variants``."""
-    return dict.fromkeys(names.split(), "i32")
-
-
-def _strides(tensor, last):
-    """Signature entries of the strides (b, h, t, last) of a (B, H, T, last) tensor."""
-    return _ints(" ".join(f"stride_{tensor}{axis}" for axis in ("b", "h", "t", last)))
-
-
-def _forward(q, k, v, initial_state, config):
-    """The three passes. Returns (o, final_state, segment start states or None, segment length)."""
+def _launch(q, k, v, initial_state, config):
+    """The forward's two launches. Returns (o, final_state, segment start states or None, segment
+    length)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if T == 0:  # nothing to walk: S_T is S_0
@@ -762,12 +637,35 @@ def _forward(q, k, v, initial_state, config):
     return o, final_state, starts, resolved["SEGMENT_LEN"]
 
 
+def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq):
+    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    n_segments = triton.cdiv(T, segment_len)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
+    ds0 = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
+    with _launch_guard():
+        scan_backward_kernel[(B * H * n_segments,)](
+            q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
+            T, H, D, E, segment_len, n_segments, int(compute_dq),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
+            *forward_starts.strides, *suffix_starts.strides,
+            BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
+            INTERPRETED=triton.knobs.runtime.interpret,
+            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+        )
+    return dq, dk, dv, ds0
+
+
 class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        o, final_state, starts, ctx.segment_len = _forward(q, k, v, initial_state, config)
+        o, final_state, starts, ctx.segment_len = _launch(q, k, v, initial_state, config)
         ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor)
         ctx.start_strides = None if starts is None else starts.strides
         return o, final_state
@@ -793,12 +691,12 @@ class _ScanCausalProduct(torch.autograd.Function):
         forward_starts = _States(start_tensor, ctx.start_strides)
         need_suffix = need_k or need_v or need_initial
         config = _resolve_config(k, grad_o, overrides)
-        fused = _fused_backward_config(D, E, q.dtype, config["CHUNK"], _shared_memory(q.device))
+        fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1])
         if fused is not None and need_suffix:
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
-            dq, dk, dv, d_initial = _segment_backward(q, k, v, grad_o, forward_starts, suffix_starts,
-                                                      segment_len=ctx.segment_len, fused=fused,
-                                                      compute_dq=need_q)
+            dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
+                                                     segment_len=ctx.segment_len, fused=fused,
+                                                     compute_dq=need_q)
         else:
             if need_q:
                 dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
@@ -937,8 +835,8 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
-    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``;
-    ``TUNING_CANDIDATES`` lists complete ones."""
+    (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
     return _run_validated(q, k, v, initial_state, config)
 
@@ -952,7 +850,17 @@ def _run_validated(q, k, v, initial_state=None, config=None):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _ScanCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _forward(q, k, v, initial_state, config)[:2]
+    return _launch(q, k, v, initial_state, config)[:2]
+
+
+def _ints(names):
+    """Signature entries of integer arguments, for ``launch_variants``."""
+    return dict.fromkeys(names.split(), "i32")
+
+
+def _strides(tensor, axes):
+    """Signature entries of the strides ``stride_<tensor><axis>``, for ``launch_variants``."""
+    return _ints(" ".join(f"stride_{tensor}{axis}" for axis in axes))
 
 
 def launch_variants():
@@ -960,8 +868,8 @@ def launch_variants():
     {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
      "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
     covering each dtype and each config the wrapper's rule can choose (every BLOCK_D and BLOCK_E
-    from 16 to 256), the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128, and
-    both walking directions."""
+    from 16 to 256) and the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128. Each entry
+    serves both walking directions (``reverse`` is a runtime flag)."""
     pointer = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
     block_sizes = (16, 32, 64, 128, 256)
     launches = set()  # (dtype, BLOCK_D, CHUNK, BLOCK_E, num_warps, num_stages)
@@ -975,35 +883,31 @@ def launch_variants():
                         for block_d, config in configs)
 
     variants = []
-    for (dtype, block_d, chunk, block_e, warps, stages), reverse in itertools.product(
-            sorted(launches, key=str), (False, True)):
-        constexprs = {"REVERSE": reverse, "BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk,
+    sizes = _ints("T H D E segment_len n_segments reverse")
+    for dtype, block_d, chunk, block_e, warps, stages in sorted(launches, key=str):
+        constexprs = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk,
                       "INTERPRETED": False}  # True only under the interpreter, never compiled
-        sizes = _ints("T D E H segment_len n_segments")
         summaries = {"k_ptr": pointer[dtype], "v_ptr": pointer[dtype], "states_ptr": "*fp32",
-                     "initial_state_ptr": "*fp32", "arrivals_ptr": "*i32",
-                     **sizes, **_strides("k", "d"), **_strides("v", "e"),
-                     **_ints("stride_ib stride_ih stride_id stride_ie")}
+                     "initial_state_ptr": "*fp32", "arrivals_ptr": "*i32", **sizes,
+                     **_strides("k", "bhtd"), **_strides("v", "bhte"), **_strides("s0", "bhde")}
         outputs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), pointer[dtype]),
                    "start_ptr": "*fp32", "final_state_ptr": "*fp32", **sizes,
-                   **_strides("q", "d"), **_strides("k", "d"),
-                   **_strides("v", "e"), **_strides("o", "e"),
-                   **_ints("stride_sb stride_sh stride_sw stride_sd stride_se")}
-        for kernel, signature in ((_segment_summaries_kernel, summaries),
-                                  (_segment_outputs_kernel, outputs)):
+                   **_strides("q", "bhtd"), **_strides("k", "bhtd"), **_strides("v", "bhte"),
+                   **_strides("o", "bhte"), **_strides("s", "bhwde")}
+        for kernel, signature in ((scan_summaries_kernel, summaries), (scan_outputs_kernel, outputs)):
             variants.append({"kernel": kernel,
                              "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
                              "constexprs": constexprs, "num_warps": warps, "num_stages": stages})
 
     # The fused backward: 16-bit heads up to 64 wide, with the CHUNK of every rule and candidate.
     fused_launches = set()
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in _FUSED_BACKWARD_DTYPES:
         for block_d, block_e in itertools.product((16, 32, 64), repeat=2):
             chunks = {_default_blocks(block_d, block_e, dtype)["CHUNK"]}
             if dtype == torch.bfloat16 and block_d == block_e == 64:
                 chunks |= {candidate.get("CHUNK", 64) for candidate in TUNING_CANDIDATES}
             for chunk in chunks:
-                fused = _fused_backward_config(block_d, block_e, dtype, chunk, _HOPPER_SHARED_MEMORY)
+                fused = fused_backward_config(block_d, block_e, dtype, {"CHUNK": chunk})
                 fused_launches.add((dtype, *(fused[key] for key in ("BLOCK_D", "BLOCK_E", "CHUNK", "num_warps",
                                                                      "num_stages"))))
     for dtype, block_d, block_e, chunk, warps, stages in sorted(fused_launches, key=str):
@@ -1011,12 +915,11 @@ def launch_variants():
         signature = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"),
                                      pointer[dtype]),
                      "forward_start_ptr": "*fp32", "suffix_start_ptr": "*fp32", "ds0_ptr": "*fp32",
-                     **_ints("T D E H segment_len n_segments compute_dq"),
-                     **_strides("q", "d"), **_strides("k", "d"), **_strides("v", "e"), **_strides("do", "e"),
-                     **_strides("dq", "d"), **_strides("dk", "d"), **_strides("dv", "e"),
-                     **_ints("stride_fb stride_fh stride_fw stride_fd stride_fe"),
-                     **_ints("stride_rb stride_rh stride_rw stride_rd stride_re"),
+                     **_ints("T H D E segment_len n_segments compute_dq"),
+                     **_strides("q", "bhtd"), **_strides("k", "bhtd"), **_strides("v", "bhte"),
+                     **_strides("do", "bhte"), **_strides("dq", "bhtd"), **_strides("dk", "bhtd"),
+                     **_strides("dv", "bhte"), **_strides("f", "bhwde"), **_strides("r", "bhwde"),
                      **dict.fromkeys(constexprs, "constexpr")}
-        variants.append({"kernel": _segment_backward_kernel, "signature": signature, "constexprs": constexprs,
+        variants.append({"kernel": scan_backward_kernel, "signature": signature, "constexprs": constexprs,
                          "num_warps": warps, "num_stages": stages})
     return variants
