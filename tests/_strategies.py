@@ -1,5 +1,6 @@
 """Shared by the property, input and determinism tests: problem-shape strategies for hypothesis,
-the list of methods, and runs of a method or of the float64 reference with their gradients."""
+the list of methods, and runs of a method with its gradients (the float64 reference's are
+``ttx_tutorial.testing.reference_gradients``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 import ttx_tutorial
-from ttx_tutorial import references, testing
+from ttx_tutorial import testing
 
 TRITON_METHODS = tuple(m for m in ttx_tutorial.METHODS if ttx_tutorial.method_info(m).is_triton)
-REFERENCE_METHODS = tuple(m for m in ttx_tutorial.METHODS if not ttx_tutorial.method_info(m).is_triton)
 
 #: Examples per property and method: ``TTX_HYPOTHESIS_EXAMPLES`` when set, otherwise few under
 #: the CPU interpreter (CI) and more on a GPU.
@@ -96,18 +96,6 @@ def method_gradients(method, q, k, v, initial_state, grad_o, grad_state):
               for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", initial_state)) if x is not None}
     o, state = run_method(method, leaves["q"], leaves["k"], leaves["v"], leaves.get("initial_state"))
     _backward((o, state), (grad_o, grad_state))
-    return o.detach(), state.detach(), _gradients(leaves)
-
-
-def reference_gradients(q, k, v, initial_state, grad_o, grad_state):
-    """The float64 reference on the same input values: ``(o, S_T, {name: gradient})`` on the CPU."""
-    def up(x):
-        return x.detach().to("cpu", torch.float64).requires_grad_()
-
-    leaves = {name: up(x) for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", initial_state))
-              if x is not None}
-    o, state = references.quadratic(leaves["q"], leaves["k"], leaves["v"], leaves.get("initial_state"))
-    _backward((o, state), (grad_o.to("cpu", torch.float64), grad_state.to("cpu", torch.float64)))
     return o.detach(), state.detach(), _gradients(leaves)
 
 

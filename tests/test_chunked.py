@@ -6,10 +6,6 @@ use the wrapper's own rule.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +13,8 @@ import triton
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked
-from ttx_tutorial.references import quadratic
-from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients,
+                                  run_python)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SMALL_CHUNKS = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}
@@ -39,18 +35,6 @@ SHAPES = [
 def _ids(shape):
     T, D, E, with_state = shape
     return f"T{T}-D{D}-E{E}" + ("-S0" if with_state else "")
-
-
-def _reference_gradients(q, k, v, initial_state, grad_o, grad_final_state):
-    """d(q, k, v, S_0) of sum(o * grad_o) + sum(S_T * grad_final_state), by float64 autograd
-    on the CPU."""
-    def up(x):
-        return x.detach().to("cpu", torch.float64)
-
-    leaves = [up(x).requires_grad_() for x in (q, k, v, initial_state)]
-    o, final_state = quadratic(*leaves)
-    torch.autograd.backward((o, final_state), (up(grad_o), up(grad_final_state)))
-    return [x.grad for x in leaves]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -80,7 +64,7 @@ def test_gradients_match_float64_autograd(shape, dtype, device):
         o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
         torch.autograd.backward((o, final_state), (grad_o, grad_final_state))
     ref_s0 = torch.zeros(1, 2, D, E) if s0 is None else s0
-    expected = _reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)
+    expected = list(reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), expected):
         assert x.grad.dtype == dtype
         assert_close(x.grad, ref, dtype, name)
@@ -107,7 +91,7 @@ def test_fused_backward_across_chunks(D, E, dtype, device, monkeypatch):
         o, final_state = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
         torch.autograd.backward((o, final_state), (grad_o, grad_final_state))
     assert fused_calls == [1]
-    expected = _reference_gradients(q, k, v, s0, grad_o, grad_final_state)
+    expected = list(reference_gradients(q, k, v, s0, grad_o, grad_final_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
         assert_close(x.grad, ref, dtype, name)
 
@@ -135,7 +119,7 @@ def test_fused_backward_with_absent_gradients(used, with_state, device):
             grad_o = torch.zeros_like(grad_o)
     assert q.grad is None
     ref_s0 = torch.zeros(1, 2, D, E) if s0 is None else s0
-    expected = _reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)
+    expected = list(reference_gradients(q, k, v, ref_s0, grad_o, grad_final_state)[2].values())
     for name, x, ref in zip(("dk", "dv", "d initial state"), (k, v, s0), expected[1:]):
         if x is not None:
             assert_close(x.grad, ref, torch.bfloat16, name)
@@ -155,7 +139,7 @@ def test_gradients_only_for_inputs_that_need_them(device):
     k.requires_grad_()
     o, _ = chunked.chunked_causal_product(q, k, v, s0, config=SMALL_CHUNKS)
     o.sum().backward()
-    expected = _reference_gradients(q, k, v, s0, torch.ones_like(o), torch.zeros_like(s0))
+    expected = list(reference_gradients(q, k, v, s0, torch.ones_like(o), torch.zeros_like(s0))[2].values())
     assert q.grad is None and v.grad is None
     assert_close(k.grad, expected[1], torch.float32, "dk")
 
@@ -182,7 +166,7 @@ def test_non_contiguous_inputs(dtype, device):
     assert_close(final_state, ref_state, dtype, "final state")
     # o.sum() gives a gradient with stride 0 along every axis.
     (o.sum() + final_state.sum()).backward()
-    expected = _reference_gradients(q, k, v, s0, torch.ones(B, H, T, E), torch.ones(B, H, D, E))
+    expected = list(reference_gradients(q, k, v, s0, torch.ones(B, H, T, E), torch.ones(B, H, D, E))[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
         assert_close(x.grad, ref, dtype, name)
 
@@ -200,7 +184,7 @@ def test_causal_product_api_with_the_default_rule(dtype, device):
     ref_o, ref_state = reference(q, k, v, s0)
     assert_close(o, ref_o, dtype, "o")
     assert_close(final_state, ref_state, dtype, "final state")
-    expected = _reference_gradients(q, k, v, s0, 2 * o.detach().float(), torch.ones_like(ref_state))
+    expected = list(reference_gradients(q, k, v, s0, 2 * o.detach().float(), torch.ones_like(ref_state))[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "d initial state"), (q, k, v, s0), expected):
         assert_close(x.grad, ref, dtype, name)
 
@@ -272,9 +256,7 @@ def _variant_id(variant):
             f"-w{variant['num_warps']}-s{variant['num_stages']}")
 
 
-# Run in a child process with TRITON_INTERPRET=0: there @triton.jit gives the real JITFunction,
-# and nothing an interpreted kernel patched into triton.language in this session (a call to a
-# jit library function patches it for good) can reach the compiler. Each variant is compiled as
+# Run in a child process outside the interpreter (testing.run_python). Each variant is compiled as
 # a launch on contiguous, 16-byte-aligned tensors with D and E multiples of 16 specialises it
 # (unit strides become constants; pointers, D, E and the other q, k, v, o strides are divisible
 # by 16): only then are the loads vectorised into pipelined asynchronous copies, which take
@@ -312,11 +294,7 @@ print(json.dumps(results))
 def test_launch_variants_compile_for_sm90_within_shared_memory():
     """Each launch compiles for an H100/H200, pipelines its loads as asynchronous copies when it
     has more than one stage, and fits the shared memory (else it fails at launch)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, "-c", _COMPILE_ALL_FOR_SM90], capture_output=True, text=True,
-                           env=env, cwd=root, timeout=1800)
+    child = run_python(_COMPILE_ALL_FOR_SM90, timeout=1800)
     assert child.returncode == 0, child.stderr[-4000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
     variants = chunked.launch_variants()

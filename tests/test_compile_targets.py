@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from ttx_tutorial import testing
+
 CHILD_TIMEOUT_S = 3600
 
 #: Kernel families, by the file under ttx_tutorial/kernels/ that holds them.
@@ -199,10 +200,7 @@ _RESULTS: dict[tuple[str, str], list[dict] | str] = {}  # (family, target) -> re
 
 
 def run_child(family, target, shard, shards) -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, __file__, family, target, str(shard), str(shards)],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=CHILD_TIMEOUT_S)
+    child = testing.run_python(Path(__file__), family, target, str(shard), str(shards), timeout=CHILD_TIMEOUT_S)
     assert child.returncode == 0, f"recording or compiling {family}'s launches crashed:\n{child.stderr[-4000:]}"
     return json.loads(child.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,4 @@
-"""ttx_tutorial.compiler: asking the GPU compiler, without a GPU, what it makes of a kernel."""
+"""ttx_tutorial.course.compiler: asking the GPU compiler, without a GPU, what it makes of a kernel."""
 
 import re
 
@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from ttx_tutorial import compiler
+from ttx_tutorial.course import compiler
+from ttx_tutorial.testing import run_python
 
 TARGETS = ["sm_80", "sm_90"]
 
@@ -120,6 +121,47 @@ def test_kernel_with_helpers_compiles_before_and_after_it_runs(device, monkeypat
     assert torch.equal(x.cpu(), 2 * torch.arange(10, dtype=torch.float32))
     after = compile_it()
     assert after.ok, after.summary()
+
+
+_IMPORTED_AFTER_A_KERNEL_RAN = """
+import os
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached compilation would skip the front end
+import sys
+import ttx_tutorial  # first: it turns the interpreter on before triton.language is imported
+import torch, triton, triton.language as tl
+
+@triton.jit
+def kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    # tl.sum, tl.cdiv and tl.max are @triton.jit helpers of triton.language.standard: each call
+    # leaves triton.language.core rebound (triton 3.9)
+    tl.store(x_ptr + offs, x + tl.sum(x, axis=0) + tl.max(x, axis=0) + tl.cdiv(n, 2), mask=mask)
+
+before = {name: dict(vars(module)) for name, module in list(sys.modules.items())
+          if name == "triton.language" or name.startswith("triton.language.")}
+x = torch.ones(10)
+kernel[(1,)](x, 10, BLOCK=16)
+assert x.tolist() == [17.0] * 10, x
+assert "ttx_tutorial.course.compiler" not in sys.modules
+from ttx_tutorial.course import compiler
+rebuilt = {obj.__name__: names for obj, names in compiler._PRISTINE_LANGUAGE if obj.__name__ in before}
+assert rebuilt.keys() == before.keys()
+for module, names in before.items():
+    wrong = [name for name, value in names.items() if rebuilt[module].get(name) is not value]
+    assert not wrong, f"{module}: not put back as before the kernel ran: {wrong}"
+result = compiler.compile_for_target(kernel, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                                     {"BLOCK": 16}, target="sm_90")
+assert result.ok, result.summary()
+print("compiled after the kernel ran")
+"""
+
+
+def test_the_probe_imported_after_a_kernel_ran_still_compiles():
+    result = run_python(_IMPORTED_AFTER_A_KERNEL_RAN, timeout=300, TTX_TUTORIAL_DEVICE="cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled after the kernel ran" in result.stdout
 
 
 def test_gpu_target_object_and_launch_options_are_reported():

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import ttx_tutorial
 from ttx_tutorial import exercises
 from ttx_tutorial.exercises import grading
 from ttx_tutorial.exercises.sources import code_cells, notebook_text, run_cells, student_version
+from ttx_tutorial.testing import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "notebooks" / "exercises" / "solutions"
@@ -265,7 +264,5 @@ def test_triton_imported_first_is_explained(tmp_path):
         "        stride_se, stride_oh, stride_os, stride_od, stride_oe, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):\n"
         "    tl.cumsum(tl.zeros((BLOCK_S, BLOCK_E), dtype=tl.float32), axis=0)\n"
         "check_scan(exclusive_scan_kernel)\n")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env.update(TTX_TUTORIAL_DEVICE="cpu", PYTHONPATH=str(ROOT))
-    completed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    completed = run_python(script, timeout=300, TTX_TUTORIAL_DEVICE="cpu")
     assert "import ttx_tutorial first" in completed.stdout, completed.stdout + completed.stderr

@@ -1,12 +1,9 @@
 """Inputs nobody tried: each gives the float64 answer or a clear error, never a raw Triton or
-CUDA error and never wrong numbers.
+CUDA error and never wrong numbers (plainly bad inputs: tests/test_validation.py).
 
 * layouts: transposed, strided, sliced and expanded (stride-0) views of q, k, v and the initial
   state, with upstream gradients that are themselves expanded or transposed; forward and
   backward against float64 autograd, for every method;
-* bad inputs: mixed dtypes, integer and float64 tensors for the Triton methods, mismatched
-  shapes, D or E above the maximum, a wrong initial state, the wrong device: each raises a
-  ValueError or TypeError whose message names the argument and the limit;
 * edge cases: an empty sequence keeps the autograd graph, an empty batch, other float dtypes
   of the initial state; on a GPU: tensors on a second GPU, more heads (B * H) than a CUDA grid
   axis holds, single heads of more than 2**31 elements;
@@ -18,20 +15,16 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 import ttx_tutorial
-from _strategies import TRITON_METHODS, cotangents, method_gradients, reference_gradients, run_method
+from _strategies import TRITON_METHODS, cotangents, method_gradients, run_method
 from ttx_tutorial import references, testing
 
 DEVICE = ttx_tutorial.DEVICE
-MAX = ttx_tutorial.MAX_HEAD_DIM
 FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
@@ -149,136 +142,6 @@ def test_initial_state_of_another_float_dtype_is_used_in_float32(method, state_d
     testing.assert_close(state, ref_state, torch.float32, name=f"final state with a {state_dtype} initial state")
 
 
-# --------------------------------------------------------------------------- bad inputs
-
-def tensors(B=1, H=2, T=5, D=4, E=3, dtype=torch.float32, device=DEVICE):
-    return testing.random_inputs(B, H, T, D, E, dtype=dtype, device=device, seed=0)
-
-
-def mixed_dtypes():
-    q, k, v = tensors()
-    return (q, k.half(), v), {}
-
-
-def integer_inputs(dtype):
-    def build():
-        q, k, v = tensors()
-        return tuple((x * 10).to(dtype) for x in (q, k, v)), {}
-    return build
-
-
-def float64_inputs():
-    return tensors(dtype=torch.float64), {}
-
-
-def k_with_another_D():
-    q, _, v = tensors(D=4)
-    return (q, tensors(D=5)[1], v), {}
-
-
-def v_with_another_T():
-    q, k, _ = tensors(T=5)
-    return (q, k, tensors(T=6)[2]), {}
-
-
-def q_with_three_dimensions():
-    q, k, v = tensors()
-    return (q[0], k, v), {}
-
-
-def D_above_maximum():
-    return tensors(T=2, D=MAX + 1, E=3), {}
-
-
-def E_above_maximum():
-    return tensors(T=2, D=3, E=MAX + 1), {}
-
-
-def D_zero():
-    q, k, v = (torch.randn(1, 2, 5, size, device=DEVICE) for size in (0, 0, 3))
-    return (q, k, v), {}
-
-
-def initial_state_of_wrong_shape():
-    q, k, v = tensors(B=1, H=2, D=4, E=3)
-    return (q, k, v), {"initial_state": torch.zeros(1, 2, 3, 4, device=DEVICE)}
-
-
-def integer_initial_state():
-    q, k, v = tensors(B=1, H=2, D=4, E=3)
-    return (q, k, v), {"initial_state": torch.zeros(1, 2, 4, 3, dtype=torch.int32, device=DEVICE)}
-
-
-def initial_state_not_a_tensor():
-    q, k, v = tensors(B=1, H=2, D=4, E=3)
-    return (q, k, v), {"initial_state": [[0.0] * 3] * 4}
-
-
-def initial_state_on_another_device():
-    q, k, v = tensors(B=1, H=2, D=4, E=3)
-    return (q, k, v), {"initial_state": torch.zeros(1, 2, 4, 3, device="meta")}
-
-
-def q_not_a_tensor():
-    q, k, v = tensors()
-    return (q.tolist(), k, v), {}
-
-
-def k_on_another_device():
-    q, k, v = tensors()
-    return (q, k.to("meta"), v), {}
-
-
-def inputs_on_a_device_the_method_does_not_use():
-    return tensors(device="meta"), {}
-
-
-# name -> (build, expected error, patterns its message must contain: the argument and the limit)
-SUPPORTED_DTYPES = r"float32, float16, bfloat16"
-BAD_INPUTS = {
-    "mixed_dtypes": (mixed_dtypes, TypeError, [r"\bk\b", r"float16", r"float32", r"dtype"]),
-    "int64_inputs": (integer_inputs(torch.int64), TypeError, [r"\bq, k, v\b", r"int64", SUPPORTED_DTYPES]),
-    "int32_inputs": (integer_inputs(torch.int32), TypeError, [r"\bq, k, v\b", r"int32", SUPPORTED_DTYPES]),
-    "float64_inputs": (float64_inputs, TypeError, [r"\bq, k, v\b", r"float64", SUPPORTED_DTYPES]),
-    "k_with_another_D": (k_with_another_D, ValueError,
-                         [r"\bq\b", r"\bk\b", r"\(1, 2, 5, 4\)", r"\(1, 2, 5, 5\)"]),
-    "v_with_another_T": (v_with_another_T, ValueError, [r"\bv\b", r"\bT\b", r"\(1, 2, 6, 3\)"]),
-    "q_with_three_dimensions": (q_with_three_dimensions, ValueError, [r"\bq\b", r"4 dimensions"]),
-    "D_above_maximum": (D_above_maximum, ValueError, [rf"D={MAX + 1}", rf"\b{MAX}\b"]),
-    "E_above_maximum": (E_above_maximum, ValueError, [rf"E={MAX + 1}", rf"\b{MAX}\b"]),
-    "D_zero": (D_zero, ValueError, [r"D=0", r"at least 1"]),
-    "initial_state_of_wrong_shape": (initial_state_of_wrong_shape, ValueError,
-                                     [r"initial_state", r"\(1, 2, 4, 3\)", r"\(1, 2, 3, 4\)"]),
-    "integer_initial_state": (integer_initial_state, TypeError, [r"initial_state", r"floating", r"int32"]),
-    "initial_state_not_a_tensor": (initial_state_not_a_tensor, TypeError, [r"initial_state", r"Tensor"]),
-    "initial_state_on_another_device": (initial_state_on_another_device, ValueError,
-                                        [r"initial_state", r"meta", re.escape(str(DEVICE))]),
-    "q_not_a_tensor": (q_not_a_tensor, TypeError, [r"\bq\b", r"Tensor", r"list"]),
-    "k_on_another_device": (k_on_another_device, ValueError, [r"\bk\b", r"meta", r"same device"]),
-    "inputs_on_a_device_the_method_does_not_use": (inputs_on_a_device_the_method_does_not_use, ValueError,
-                                                   [r"meta", DEVICE.type]),
-}
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS)
-@pytest.mark.parametrize("method", TRITON_METHODS)
-def test_bad_input_raises_an_error_naming_argument_and_limit(method, case):
-    build, error_type, patterns = BAD_INPUTS[case]
-    args, kwargs = build()
-    with pytest.raises(error_type) as caught:
-        ttx_tutorial.causal_product(*args, method, **kwargs)
-    message = str(caught.value)
-    unnamed = [p for p in patterns if not re.search(p, message)]
-    assert not unnamed, f"{case}: the message does not say {unnamed}: {message!r}"
-
-
-@pytest.mark.parametrize("method", ttx_tutorial.METHODS)
-def test_unknown_method_lists_the_methods(method):
-    q, k, v = tensors()
-    with pytest.raises(ValueError, match=re.escape(repr(ttx_tutorial.METHODS))):
-        ttx_tutorial.causal_product(q, k, v, method + "_typo")
-
-
 # --------------------------------------------------------------------------- edge cases
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
@@ -383,7 +246,7 @@ def test_tensors_on_a_gpu_other_than_the_current_one(method):
     grad_o, grad_state = cotangents(q, v, seed=1)
     with testing.poisoned_allocations():
         o, state, grads = method_gradients(method, q, k, v, s0, grad_o, grad_state)
-    ref_o, ref_state, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
+    ref_o, ref_state, ref_grads = testing.reference_gradients(q, k, v, s0, grad_o, grad_state)
     assert torch.cuda.current_device() == current, "the call changed the current device"
     assert o.device == state.device == other
     testing.assert_close(o, ref_o, torch.float32, name=f"o on {other}")
@@ -456,7 +319,6 @@ def test_one_head_of_more_than_2_31_elements_is_computed_or_refused(method):
     free_bytes, _ = torch.cuda.mem_get_info()
     if free_bytes < 24 * 2**30:
         pytest.skip("needs 24 GiB of free GPU memory")
-    child = subprocess.run([sys.executable, "-c", _HUGE_HEAD_CHILD, method], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[1], timeout=600)
+    child = testing.run_python(_HUGE_HEAD_CHILD, method, timeout=600)
     assert child.returncode == 0, (f"{method} on a head of 2**31+ elements:\n"
                                    f"{child.stdout[-2000:]}{child.stderr[-4000:]}")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import ttx_tutorial
-from ttx_tutorial.notebook import banner, excerpt, progress
+from ttx_tutorial.course.notebook import banner, excerpt, progress
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").rglob("[0-9]*.ipynb"))
@@ -116,4 +116,4 @@ def test_notebooks_print_excerpts_not_whole_functions(path):
     for source in code_cells(path):
         assert "getsource(" not in source, (
             f"{path.name} prints a whole function with inspect.getsource; print "
-            "ttx_tutorial.notebook.excerpt(function, start, stop) of the lines the text is about")
+            "ttx_tutorial.course.notebook.excerpt(function, start, stop) of the lines the text is about")

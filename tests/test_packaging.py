@@ -1,11 +1,10 @@
 """The ways of installing and running the project stay in step with each other.
 
 pyproject.toml is the one list of dependencies. environment.yml (conda), the Makefile
-(venv) and constraints.txt (the exact versions CI installs) must agree with it, and
-importing the package must pick the device mode without touching the GPU driver.
+(venv) and constraints.txt (the exact versions CI installs) must agree with it, and the
+distributions built from them must hold and install what they need.
 """
 
-import json
 import os
 import re
 import shutil
@@ -144,62 +143,13 @@ def test_methods_include_the_three_references():
     assert len(set(ttx_tutorial.METHODS)) == len(ttx_tutorial.METHODS)
 
 
-# --- device mode, decided at import --------------------------------------------------------
-
-REPORT_MODE = """
-import json, os
-import ttx_tutorial, torch
-print(json.dumps({
-    "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
-    "interpreted": ttx_tutorial.INTERPRETED,
-    "device": str(ttx_tutorial.DEVICE),
-    "cuda_initialized": torch.cuda.is_initialized(),
-    "describe": ttx_tutorial.describe(),
-}))
-"""
-
-
-def import_in_subprocess(**environment):
-    """Import ttx_tutorial in a fresh interpreter with only the given mode variables set."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("TRITON_INTERPRET", "TTX_TUTORIAL_DEVICE")}  # this process set them
-    env.update(environment)
-    return subprocess.run([sys.executable, "-c", REPORT_MODE], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cpu_mode_turns_on_the_interpreter_without_touching_cuda():
-    result = import_in_subprocess(TTX_TUTORIAL_DEVICE="cpu")
-    assert result.returncode == 0, result.stderr
-    mode = json.loads(result.stdout)
-    assert mode["TRITON_INTERPRET"] == "1"
-    assert mode["interpreted"] is True
-    assert mode["device"] == "cpu"
-    assert mode["cuda_initialized"] is False
-    assert mode["describe"].split(" | ")[1].startswith("CPU mode")
-
-
-def test_an_explicit_triton_interpret_wins_over_the_device_choice():
-    result = import_in_subprocess(TTX_TUTORIAL_DEVICE="cuda", TRITON_INTERPRET="1")
-    assert result.returncode == 0, result.stderr
-    mode = json.loads(result.stdout)
-    assert mode["interpreted"] is True and mode["device"] == "cpu"
-    assert "TRITON_INTERPRET was set by the user" in mode["describe"]
-
-
-def test_an_invalid_device_choice_is_a_clear_error():
-    result = import_in_subprocess(TTX_TUTORIAL_DEVICE="tpu")
-    assert result.returncode != 0
-    assert "ValueError: TTX_TUTORIAL_DEVICE must be one of ('cpu', 'cuda'), got 'tpu'" in result.stderr
-
-
 # --- the built distributions -----------------------------------------------------------------
 
 # What a source distribution must hold to run its own tests and install as the README says.
 SDIST_MUST_HOLD = ("tests/conftest.py", "tests/_strategies.py", "notebooks/conftest.py",
                    "notebooks/nbval_sanitize.cfg", "Makefile", "constraints.txt", "environment.yml",
                    "CHANGELOG.md", "README.md", "LICENSE", "ttx_tutorial/py.typed",
-                   "ttx_tutorial/data/h200.json")
+                   "ttx_tutorial/course/data/h200.json")
 # Left out of the copy the distributions are built from: environments, caches, build outputs.
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
                                     ".pytest_cache", ".hypothesis", ".ipynb_checkpoints", "results")
@@ -280,7 +230,7 @@ def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_s
                      if "__pycache__" not in path.parts)
     missing = [name for name in modules if not (installed.parent / name).is_file()]
     assert not missing, f"the wheel lacks {missing}"
-    assert (installed / "py.typed").is_file() and (installed / "data" / "h200.json").is_file()
+    assert (installed / "py.typed").is_file() and (installed / "course" / "data" / "h200.json").is_file()
 
     destination = outside / "my notebooks"
     run_checked([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)], cwd=outside, env=env)

@@ -1,4 +1,4 @@
-"""The recorded GPU figures (ttx_tutorial/data/*.json): every row names its recording by date,
+"""The recorded GPU figures (ttx_tutorial/course/data/*.json): every row names its recording by date,
 GPU, versions and command; no row of a Triton method is superseded by a later recording; and
 notebook figures take their rows from one recording only."""
 
@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ttx_tutorial.benchmark import load_recorded
-from ttx_tutorial.notebook import latest_recording, recording_name, rows_of_one_recording
+from ttx_tutorial.course.figures import load_recorded, latest_recording, recording_name, rows_of_one_recording
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = sorted((ROOT / "ttx_tutorial" / "data").glob("*.json"))
+DATA = sorted((ROOT / "ttx_tutorial" / "course" / "data").glob("*.json"))
 NOTEBOOKS = sorted((ROOT / "notebooks").rglob("[0-9]*.ipynb"))
 TRITON_METHODS = ("recurrent", "chunked", "scan")
 
@@ -78,5 +77,5 @@ def test_notebooks_select_recorded_rows_through_one_recording(path):
     for cell in json.loads(path.read_text())["cells"]:
         source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
         assert '["rows"]' not in source and "['rows']" not in source, (
-            f"{path.name} reads recorded rows directly; use ttx_tutorial.notebook.rows_of_one_recording "
+            f"{path.name} reads recorded rows directly; use ttx_tutorial.course.figures.rows_of_one_recording "
             "or latest_recording")

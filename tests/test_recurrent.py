@@ -5,18 +5,13 @@ two, one of them near 256. Every output is allocated poisoned (NaN), so an eleme
 forgets to write fails the comparison.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import ttx_tutorial
 from ttx_tutorial.kernels import recurrent
-from ttx_tutorial.references import quadratic
-from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients,
+                                  run_python)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -50,16 +45,6 @@ def _upstream_gradients(o_shape, state_shape, dtype, seed):
     return grad_o.to(ttx_tutorial.DEVICE), grad_state.to(ttx_tutorial.DEVICE)
 
 
-def _float64_gradients(q, k, v, s0, grad_o, grad_state):
-    """d(loss)/d(q, k, v, s0) in float64 for loss = <o, grad_o> + <S_T, grad_state>."""
-    leaves = [None if x is None else x.detach().to("cpu", torch.float64).requires_grad_()
-              for x in (q, k, v, s0)]
-    o, final_state = quadratic(*leaves)
-    loss = (o * grad_o.cpu().double()).sum() + (final_state * grad_state.cpu().double()).sum()
-    loss.backward()
-    return [None if x is None else x.grad for x in leaves]
-
-
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", FORWARD_SHAPES, ids=_shape_id)
@@ -88,7 +73,7 @@ def test_backward_matches_float64(shape, dtype, with_state):
     with poisoned_allocations():
         o, final_state = recurrent.recurrent_causal_product(q, k, v, s0)
         torch.autograd.backward([o, final_state], [grad_o, grad_state])
-    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    expected = list(reference_gradients(q, k, v, s0, grad_o, grad_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
         if x is None:
             continue
@@ -118,39 +103,10 @@ def test_block_walk_matches_float64(shape, dtype, with_state):
     assert o.dtype == dtype
     assert_close(o, ref_o, dtype, "o")
     assert_close(final_state, ref_state, dtype, "final state")
-    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    expected = list(reference_gradients(q, k, v, s0, grad_o, grad_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
         if x is not None:
             assert_close(x.grad, ref, dtype, name)
-
-
-def test_non_contiguous_inputs_and_gradients():
-    """(B, T, H, D) storage seen as (B, H, T, D), a transposed initial state, a strided dO."""
-    B, H, T, D, E = 2, 3, 9, 6, 5
-    generator = torch.Generator().manual_seed(0)
-
-    def leaf(*shape):
-        x = torch.randn(*shape, generator=generator) / D ** 0.5
-        return x.to(ttx_tutorial.DEVICE).requires_grad_()
-
-    q_bthd, k_bthd, v_bthe = leaf(B, T, H, D), leaf(B, T, H, D), leaf(B, T, H, E)
-    s0_bhed = leaf(B, H, E, D)
-    q, k, v, s0 = q_bthd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthe.transpose(1, 2), s0_bhed.mT
-    assert not any(x.is_contiguous() for x in (q, k, v, s0))
-    grad_o_bthe, grad_state = _upstream_gradients((B, T, H, E), (B, H, D, E), torch.float32, seed=1)
-    with poisoned_allocations():
-        o, final_state = ttx_tutorial.causal_product(q, k, v, "recurrent", initial_state=s0,
-                                                     return_state=True)
-        # The gradient reaching o is itself a transposed view.
-        loss = (o.transpose(1, 2) * grad_o_bthe).sum() + (final_state * grad_state).sum()
-        loss.backward()
-    ref_o, ref_state = reference(q, k, v, s0)
-    assert_close(o, ref_o, torch.float32, "o")
-    assert_close(final_state, ref_state, torch.float32, "final state")
-    expected = _float64_gradients(q, k, v, s0, grad_o_bthe.transpose(1, 2), grad_state)
-    for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q_bthd, k_bthd, v_bthe, s0_bhed), expected):
-        grad = x.grad.transpose(1, 2) if name != "dS0" else x.grad.mT
-        assert_close(grad, ref, torch.float32, name)
 
 
 @pytest.mark.parametrize("config", recurrent.TUNING_CANDIDATES, ids=lambda c: "-".join(map(str, c.values())))
@@ -166,7 +122,7 @@ def test_tuning_candidates_are_correct(config):
     ref_o, ref_state = reference(q, k, v, s0)
     assert_close(o, ref_o, torch.bfloat16, "o")
     assert_close(final_state, ref_state, torch.bfloat16, "final state")
-    expected = _float64_gradients(q, k, v, s0, grad_o, grad_state)
+    expected = list(reference_gradients(q, k, v, s0, grad_o, grad_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv", "dS0"), (q, k, v, s0), expected):
         assert_close(x.grad, ref, torch.bfloat16, name)
 
@@ -182,7 +138,7 @@ def test_gradient_when_one_output_is_unused(used):
     else:
         (final_state * grad_state).sum().backward()
         grad_o = torch.zeros_like(grad_o)
-    expected = _float64_gradients(q, k, v, None, grad_o, grad_state)
+    expected = list(reference_gradients(q, k, v, None, grad_o, grad_state)[2].values())
     for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), expected):
         assert_close(x.grad, ref, torch.float32, name)
 
@@ -244,31 +200,6 @@ def test_config_without_walk_takes_the_walk_that_reads_its_keys():
     assert recurrent._resolve_config(q, v, {"BLOCK_E": 2})["WALK"] == rule  # both read it
 
 
-def _run_without_interpreter(script):
-    """Run ``script`` in a fresh Python with the real compiler: under TRITON_INTERPRET=1, tl.sum and
-    the rest of triton.language's @jit helpers are interpreted functions the compiler cannot inline."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
-                          text=True, timeout=900)
-
-
-def test_launch_variants_compile_for_sm90():
-    result = _run_without_interpreter("""
-        import ttx_tutorial
-        from ttx_tutorial import compiler
-        from ttx_tutorial.kernels import recurrent
-
-        variants = recurrent.launch_variants()
-        for variant in variants:
-            result = compiler.compile_variant(variant, target="sm_90")
-            assert result.ok, result.summary()
-            assert result.fits_shared_memory(), result.summary()
-        print("compiled", len(variants))
-    """)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled" in result.stdout
-
-
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 def test_default_bf16_launch_pipelines_every_load(with_state):
     """The performance-critical shape of the compiled kernel (see "Fragile" in the module docstring).
@@ -278,7 +209,7 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
     through shared memory, and the state's layout must give each thread 8 contiguous D elements of COLS
     columns, so that one k and q load serves COLS columns and the sum over D needs only 3 warp
     shuffles per column."""
-    result = _run_without_interpreter(f"""
+    result = run_python(f"""
         import re
         import torch, triton
         from triton.backends.compiler import GPUTarget
@@ -343,7 +274,7 @@ def test_few_heads_block_walk_compiles_to_an_in_thread_scan():
     launched on aligned (1, 8, T, 64) bf16 tensors, every load of the block loop is an
     asynchronous copy, the cumsum runs along registers of one thread (a scan across lanes would
     cost shuffles at every step) and nothing spills."""
-    result = _run_without_interpreter("""
+    result = run_python("""
         import re, subprocess, os
         import torch, triton
         from triton.backends.compiler import GPUTarget

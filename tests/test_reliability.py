@@ -20,7 +20,7 @@ import torch
 
 import ttx_tutorial
 from _strategies import TRITON_METHODS
-from test_inputs import BAD_INPUTS
+from test_validation import BAD_CALLS
 from ttx_tutorial import causal_product, references, testing
 from ttx_tutorial.kernels import chunked, recurrent, scan
 
@@ -312,7 +312,7 @@ def extra_bad_inputs():
 
 
 def bad_input_cases():
-    cases = {name: build() for name, (build, *_) in BAD_INPUTS.items()}
+    cases = dict(BAD_CALLS)
     cases.update(extra_bad_inputs())
     return cases
 

@@ -10,9 +10,6 @@ segments, one segment) and the interpreter stays fast; a few use the wrapper's o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ import torch
 import ttx_tutorial
 from ttx_tutorial.kernels import scan
 from ttx_tutorial.references import quadratic
-from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference, run_python
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CHUNK = 16
@@ -241,7 +238,7 @@ def _main_variants(variants):
 
 def _compile_main_variants():
     """Run in a child without the interpreter: compile the chosen variants for sm_90."""
-    from ttx_tutorial import compiler
+    from ttx_tutorial.course import compiler
 
     results = []
     for variant in _main_variants(scan.launch_variants()):
@@ -254,11 +251,7 @@ def _compile_main_variants():
 
 
 def test_main_launches_compile_for_sm90_with_tensor_cores():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root,
-                           timeout=900)
+    child = run_python(Path(__file__))
     assert child.returncode == 0, child.stderr[-4000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
     assert len(results) == 2 * 2 * 2 + 1  # head dims, directions, the two launches; the fused backward

@@ -1,9 +1,4 @@
-"""ttx_tutorial.trace: the loads and stores of each program, recorded from an interpreted launch."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""ttx_tutorial.course.trace: the loads and stores of each program, recorded from an interpreted launch."""
 
 import pytest
 import torch
@@ -12,9 +7,8 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 import ttx_tutorial
-from ttx_tutorial import trace
-
-ROOT = Path(__file__).resolve().parents[1]
+from ttx_tutorial.course import trace
+from ttx_tutorial.testing import run_python
 
 
 @triton.jit
@@ -175,7 +169,7 @@ _GPU_MODE_SCRIPT = """
 import torch, triton, triton.language as tl
 import ttx_tutorial
 from triton.runtime.jit import JITFunction
-from ttx_tutorial import trace
+from ttx_tutorial.course import trace
 assert not ttx_tutorial.INTERPRETED and isinstance(tl.zeros, JITFunction)
 
 @triton.jit
@@ -205,17 +199,9 @@ print("recorded in GPU mode")
 
 
 def test_records_jit_functions_as_in_gpu_mode():
-    # TTX_TUTORIAL_DEVICE=cuda makes @triton.jit build JITFunctions, as on a GPU machine; nothing
-    # here touches a GPU, so this runs anywhere. @triton.jit needs its source in a file.
-    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"ttx_trace_gpu_mode_{os.getpid()}.py"
-    script.write_text(_GPU_MODE_SCRIPT)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TTX_TUTORIAL_DEVICE="cuda", PYTHONPATH=str(ROOT))
-    try:
-        result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                                timeout=120)
-    finally:
-        pass
+    # Outside the interpreter @triton.jit builds JITFunctions, as on a GPU machine; nothing here
+    # touches a GPU, so this runs anywhere.
+    result = run_python(_GPU_MODE_SCRIPT, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recorded in GPU mode" in result.stdout
 

@@ -6,10 +6,9 @@ before any Triton kernel is defined and without touching the GPU driver.
 """
 
 from ._device import DEVICE, INTERPRETED  # first: sets TRITON_INTERPRET before any @triton.jit
-from . import compiler  # before any kernel runs: it snapshots triton.language for GPU compiles
 from .api import MAX_HEAD_DIM, METHODS, causal_product, choose_method, method_info
 from .attention import FEATURE_MAPS, CausalLinearAttention, causal_linear_attention, linear_attention_step
-from .notebook import banner, describe, on_gpu, size
+from .course.notebook import banner, describe, on_gpu, size  # what every notebook starts with
 
 __version__ = "0.1.0"
 

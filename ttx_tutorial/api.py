@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import functools
-import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from . import _device, ops
+from . import _device, ops, references
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, REFERENCE_DTYPES, check_inputs
+from .kernels import chunked, recurrent, scan
 
 
 @dataclass(frozen=True)
 class Method:
-    """One implementation: where it lives and what it accepts."""
+    """One implementation: the function that runs it and what it accepts."""
 
     name: str
-    # "module:function", imported on first use so kernels compile lazily. For the Triton methods,
-    # the kernel file's entry point for inputs this module has checked (it would check them again).
-    target: str
+    # (q, k, v, initial_state) -> (o, final_state). For the Triton methods, the kernel file's entry
+    # point for inputs this module has checked (the file's public function would check them again).
+    function: Callable
     is_triton: bool
     summary: str
 
@@ -31,15 +32,6 @@ class Method:
     def max_head_dim(self):
         return MAX_HEAD_DIM if self.is_triton else None
 
-    def load(self):
-        return _load(self.target)
-
-
-@functools.lru_cache(maxsize=None)  # imported once, not at every call
-def _load(target: str):
-    module_name, function_name = target.split(":")
-    return getattr(importlib.import_module(module_name), function_name)
-
 
 @functools.lru_cache(maxsize=None)  # a driver query: asked once per device
 def _multiprocessor_count(device: torch.device) -> int:
@@ -50,17 +42,17 @@ def _multiprocessor_count(device: torch.device) -> int:
 MAX_HEAD_DIM = 256
 
 _METHOD_LIST = (
-    Method("loop", "ttx_tutorial.references:loop", False,
+    Method("loop", references.loop, False,
            "PyTorch: the recurrence literally, one token per Python step"),
-    Method("cumsum", "ttx_tutorial.references:cumsum", False,
+    Method("cumsum", references.cumsum, False,
            "PyTorch: every state S_t materialised by torch.cumsum, O(T*D*E) memory"),
-    Method("quadratic", "ttx_tutorial.references:quadratic", False,
+    Method("quadratic", references.quadratic, False,
            "PyTorch: the masked form ((Q K^T) * M) V, O(T^2)"),
-    Method("recurrent", "ttx_tutorial.kernels.recurrent:_run_validated", True,
+    Method("recurrent", recurrent._run_validated, True,
            "Triton: one program per (batch, head, value block) walks T with its state in registers"),
-    Method("chunked", "ttx_tutorial.kernels.chunked:_run_validated", True,
+    Method("chunked", chunked._run_validated, True,
            "Triton: chunks of C tokens on tensor-core tiles, the state carried from chunk to chunk"),
-    Method("scan", "ttx_tutorial.kernels.scan:_run_validated", True,
+    Method("scan", scan._run_validated, True,
            "Triton: per-segment states combined by a parallel prefix sum, then every segment at once"),
 )
 
@@ -73,7 +65,7 @@ METHODS = tuple(_REGISTRY)
 #: ``causal_product``'s default: picks "chunked" or "scan" for the inputs (see :func:`choose_method`).
 AUTO = "auto"
 
-#: Below this many (batch, head, 64-column value block) programs per multiprocessor, "chunked"
+#: Below this many (batch, head, value block) programs per multiprocessor, "chunked"
 #: leaves the GPU idle and "scan" (parallel over segments of the sequence too) wins. Not 1: scan
 #: reads k and v twice and pays for its states, so it needs the idle share to be large. The
 #: forward times of both are linear in the programs' share of the GPU; the break-even measured
@@ -83,18 +75,26 @@ _SCAN_BELOW_PROGRAMS_PER_SM = 0.4
 _SCAN_FROM_LENGTH = 8192
 
 
+@functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
+def _chunked_value_block(D: int, E: int, dtype: torch.dtype) -> int:
+    """The value columns of one "chunked" program, by the kernel file's own rule (before it
+    narrows blocks to fill an idle GPU, which is what this count decides about)."""
+    return chunked.default_config(D, E, dtype)["BLOCK_E"]
+
+
 def choose_method(q: torch.Tensor, v: torch.Tensor) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle.
 
-    "chunked" runs one program per (batch, head, block of 64 value columns) and walks the whole
+    "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
     (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
     sequence over segments. Under the interpreter the choice is always "chunked".
     """
     if _device.INTERPRETED or q.device.type != "cuda":
         return "chunked"
-    B, H, T, _ = q.shape
-    programs = B * H * -(-v.shape[-1] // 64)
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    programs = B * H * -(-E // _chunked_value_block(D, E, q.dtype))
     multiprocessors = _multiprocessor_count(q.device)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
@@ -154,7 +154,7 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
     if torch.compiler.is_compiling() and info.is_triton:  # one graph node, see ttx_tutorial.ops
         o, final_state = ops.causal_product_op(q, k, v, initial_state, method)
         return (o, final_state) if return_state else o
-    implementation = info.load()
+    implementation = info.function
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
             o, final_state = implementation(q, k, v, initial_state)

@@ -33,8 +33,8 @@ def _run(q, k, v, initial_state, method):
     info = method_info(choose_method(q, v) if method == AUTO else method)
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
-            return info.load()(q, k, v, initial_state)
-    return info.load()(q, k, v, initial_state)
+            return info.function(q, k, v, initial_state)
+    return info.function(q, k, v, initial_state)
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())

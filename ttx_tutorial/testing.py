@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
 
 import torch
 
@@ -67,6 +73,23 @@ def reference(q, k, v, initial_state=None, *, device="cpu", chunk=1024):
     return torch.cat(outputs, dim=2), state
 
 
+def reference_gradients(q, k, v, initial_state, grad_o, grad_state):
+    """The float64 reference and its gradients on the same input values, on the CPU:
+    ``(o, S_T, {name: gradient})``, the gradients of <o, grad_o> + <S_T, grad_state> with
+    respect to "q", "k", "v" and, when it is given, "initial_state"."""
+    leaves = {name: x.detach().to("cpu", torch.float64).requires_grad_()
+              for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", initial_state)) if x is not None}
+    o, state = quadratic(leaves["q"], leaves["k"], leaves["v"], leaves.get("initial_state"))
+    # Through the outputs that depend on a leaf (with T = 0 and no initial state, none does).
+    pairs = [(out, grad.to("cpu", torch.float64)) for out, grad in ((o, grad_o), (state, grad_state))
+             if out.requires_grad]
+    if pairs:
+        torch.autograd.backward(*zip(*pairs))
+    # zeros where autograd left None: a leaf that did not influence the outputs
+    gradients = {name: torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for name, leaf in leaves.items()}
+    return o.detach(), state.detach(), gradients
+
+
 def relative_error(out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 (the plain norm of out when ref is all zeros).
 
@@ -123,3 +146,29 @@ def poisoned_allocations():
         yield
     finally:
         torch.empty, torch.empty_like = original_empty, original_empty_like
+
+
+def run_python(script: str | Path, *args: str, timeout: float = 900, **environment: str,
+               ) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python source, or the path of a file) with ``args`` in a fresh Python and
+    return the finished process, its output captured as text.
+
+    The child chooses its mode from ``environment`` alone (this process's ``TRITON_INTERPRET``
+    and ``TTX_TUTORIAL_DEVICE`` are dropped), by default ``TTX_TUTORIAL_DEVICE=cuda``: outside
+    the interpreter, where ``@triton.jit`` builds the ``JITFunction`` a GPU run compiles, on any
+    machine, and nothing an interpreted kernel left patched in this process can reach it. Source
+    is run from a file, since ``@triton.jit`` reads its kernels' source; this package comes
+    first on the child's path.
+    """
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("TRITON_INTERPRET", "TTX_TUTORIAL_DEVICE")}
+    env.update(environment or {"TTX_TUTORIAL_DEVICE": "cuda"})
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as folder:
+        if not isinstance(script, Path):
+            path = Path(folder) / "child.py"
+            path.write_text(textwrap.dedent(script))
+            script = path
+        return subprocess.run([sys.executable, str(script), *args], env=env, cwd=package_root,
+                              capture_output=True, text=True, timeout=timeout)

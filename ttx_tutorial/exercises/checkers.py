@@ -13,7 +13,7 @@ import triton
 from triton.compiler.errors import CompilationError
 
 from .. import _device
-from ..compiler import compile_for_target
+from ..course.compiler import compile_for_target
 from ..testing import TOLERANCES, random_inputs, relative_error
 from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
                        dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,

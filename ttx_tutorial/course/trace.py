@@ -47,7 +47,7 @@ from triton.runtime import interpreter as _interpreter_module
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from . import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
+from .. import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel is decorated)
 from .compiler import _language_objects  # what the interpreter rebinds; one definition for both tools
 
 __all__ = ["Access", "Recording", "TensorInfo", "UnsupportedKernel", "draw", "record", "run_interpreted"]
@@ -405,7 +405,7 @@ def _check_interface():
     if builder is None or missing or not callable(getattr(builder, "set_grid_idx", None)):
         raise RuntimeError(
             f"triton {triton.__version__}'s interpreter has no module-level interpreter_builder with "
-            f"{', '.join(_BUILDER_METHODS)} and a grid: ttx_tutorial.trace was written for the "
+            f"{', '.join(_BUILDER_METHODS)} and a grid: ttx_tutorial.course.trace was written for the "
             f"interpreters of Triton 3.6 to 3.9 and cannot record with this one")
 
 
@@ -469,7 +469,7 @@ def _probe():
     expected = [("load", "x_ptr", (0,), (1,)), ("store", "y_ptr", (1,), (2,))]
     if seen != expected or y.tolist() != [0.0, 1.0]:
         raise RuntimeError(f"triton {triton.__version__}'s interpreter did not report a known kernel's "
-                           f"loads and stores as ttx_tutorial.trace expects ({seen} instead of "
+                           f"loads and stores as ttx_tutorial.course.trace expects ({seen} instead of "
                            f"{expected}); it was written for Triton 3.6 to 3.9")
     _PROBE_PASSED = True
 
@@ -518,7 +518,7 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     from matplotlib.patches import Patch, Rectangle
 
     if not isinstance(recording, Recording):
-        raise TypeError(f"recording must come from ttx_tutorial.trace.record, got {type(recording).__name__}")
+        raise TypeError(f"recording must come from ttx_tutorial.course.trace.record, got {type(recording).__name__}")
     names = [name for name in recording.tensors if recording.select(name)] if tensors is None else list(tensors)
     unknown = [name for name in names if name not in recording.tensors]
     if unknown:

@@ -15,14 +15,15 @@ accepts any shape, while the GPU compiler refuses some:
 
 Works with a real ``JITFunction`` (GPU mode) and under ``TRITON_INTERPRET=1``, where
 ``@triton.jit`` yields an ``InterpretedFunction`` (see "under the interpreter" below). In CPU
-mode, import this module before running any kernel in the interpreter: it records how
-``triton.language`` looks before the interpreter rebinds parts of it.
+mode it may be imported at any time: it puts back what the interpreter leaves rebound in
+``triton.language`` for the length of each compilation.
 Tested with triton 3.9 (CPU); written for triton 3.6 (the GPU machine) too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 import types
@@ -37,7 +38,7 @@ from triton.errors import TritonError
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from . import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel below is decorated)
+from .. import _device  # noqa: F401  (sets TRITON_INTERPRET before the probe kernel below is decorated)
 
 #: PTX opcodes that run on tensor cores: ``mma.sync`` (Volta to Hopper, warp-level tiles such
 #: as m16n8k16) and ``wgmma.mma_async`` (Hopper, warp-group tiles m64nNk16).
@@ -181,9 +182,14 @@ class CompileResult:
 # globals and triton.language) is replaced by a JITFunction of the same Python function.
 #
 # The interpreter also rebinds parts of triton.language (tl.core.mul, tensor.__bool__, ...)
-# while it runs; calling a @triton.jit helper from an interpreted kernel leaves them rebound
-# (seen with triton 3.9), which breaks any later compilation. So for the same length of time
-# triton.language is put back as it was when this module was imported.
+# while it runs. A launch restores what it rebound, but a @triton.jit helper called from an
+# interpreted kernel rebinds the triton.language module its own globals name (tl.sum's is
+# triton.language.core) and never restores it (seen with triton 3.9): that breaks any later
+# compilation. So for the same length of time triton.language is put back as it was before any
+# kernel ran. Imported before any kernel ran, this module keeps a copy; imported later, it
+# rebuilds that copy: each rebinding of a builtin keeps the original as its ``member`` default,
+# and the other names it rebinds (range, static_assert, multiple_of, ...) are re-exported by
+# ``triton.language`` itself, whose own rebindings the launch did restore.
 
 _MISSING = object()
 
@@ -200,12 +206,41 @@ def _language_objects() -> list:
 
 
 def _is_interpreter_rebinding(value) -> bool:
+    if isinstance(value, functools.partial):  # tl.multiple_of and its kind
+        value = value.func
     return isinstance(value, types.FunctionType) and value.__module__ == InterpretedFunction.__module__
 
 
-_PRISTINE_LANGUAGE = [(obj, dict(vars(obj))) for obj in _language_objects()]
-_LANGUAGE_REBOUND_AT_IMPORT = any(_is_interpreter_rebinding(value)
-                                  for _, names in _PRISTINE_LANGUAGE for value in names.values())
+def _defined_in_language(value) -> bool:
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and (module == "triton.language" or module.startswith("triton.language."))
+
+
+def _pristine_language() -> tuple[list, list[str]]:
+    """triton.language's modules and classes with their names as before any interpreted kernel ran,
+    and the names whose original could not be found (then no compilation is possible)."""
+    snapshot = [(obj, dict(vars(obj))) for obj in _language_objects()]
+    module_names = [names for obj, names in snapshot if isinstance(obj, types.ModuleType)]
+    lost = []
+    for obj, names in snapshot:
+        for name, value in names.items():
+            # tl.static_print becomes the builtin print; the other rebindings are the interpreter's functions.
+            is_print = value is print and isinstance(obj, types.ModuleType)
+            copied = vars(sys.modules[InterpretedFunction.__module__]).get(name) is value
+            if copied or not (_is_interpreter_rebinding(value) or is_print):
+                continue  # the interpreter also copies its own globals into a helper's; they do no harm
+            original = (getattr(value, "__kwdefaults__", None) or {}).get("member")
+            if original is None:
+                original = next((other[name] for other in module_names
+                                 if _defined_in_language(other.get(name))), None)
+            if original is not None:
+                names[name] = original
+            elif not is_print:
+                lost.append(f"{getattr(obj, '__name__', obj)}.{name}")
+    return snapshot, lost
+
+
+_PRISTINE_LANGUAGE, _LOST_LANGUAGE_NAMES = _pristine_language()
 
 
 def _set_attr(obj, name, value):
@@ -244,11 +279,12 @@ class _TemporaryEdits:
 
 
 def _restore_pristine_language(edits: _TemporaryEdits):
-    if _LANGUAGE_REBOUND_AT_IMPORT:
+    if _LOST_LANGUAGE_NAMES:
         raise RuntimeError(
-            "triton.language had already been rebound by the Triton interpreter when "
-            "ttx_tutorial.compiler was imported, so it cannot compile kernels in this process. "
-            "Import ttx_tutorial.compiler before running any interpreted kernel.")
+            "the Triton interpreter had rebound triton.language when ttx_tutorial.course.compiler "
+            f"was imported, and the originals of {', '.join(_LOST_LANGUAGE_NAMES)} could not be "
+            "found, so it cannot compile kernels in this process. Import "
+            "ttx_tutorial.course.compiler before running any interpreted kernel.")
     for obj, pristine in _PRISTINE_LANGUAGE:
         current = dict(vars(obj))
         for name, value in pristine.items():

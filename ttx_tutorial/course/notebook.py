@@ -1,5 +1,5 @@
 """Small helpers for the notebooks: the mode banner, problem sizes that fit the mode, excerpts
-of source code, progress for long cells, and the recorded GPU figures, one recording at a time."""
+of source code and progress for long cells (GPU figures: :mod:`ttx_tutorial.course.figures`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 import triton
 
-from . import _device
+from .. import _device
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ def size(cpu: T, gpu: T) -> T:
 
 def describe() -> str:
     """One line: which mode runs the kernels, and the versions that matter."""
-    from . import __version__
+    from .. import __version__
 
     if on_gpu():
         where = f"GPU mode: kernels compiled for CUDA ({_device.REASON})"
@@ -105,59 +105,3 @@ def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterat
         yield item
     sys.stderr.write(f"\r{label}: {count}/{total if total is not None else count} done\n")
     sys.stderr.flush()
-
-
-# --- recorded GPU figures -------------------------------------------------------------------
-
-def recording_name(env: dict[str, Any], command: str) -> str:
-    """How a recording is named: date, GPU, versions and the command that made it."""
-    return (f"{env['date']} {env['gpu']}, torch {env['torch']}, triton {env['triton']}: "
-            f"{command}")
-
-
-def rows_of_one_recording(recorded: dict[str, Any], **match: Any) -> tuple[str, list[dict[str, Any]]]:
-    """The rows of ``recorded`` (from ``ttx_tutorial.benchmark.load_recorded``) whose fields
-    equal ``match`` (``shape_prefix=(B, H)`` and ``shape_suffix=(D, E)`` compare parts of the
-    shape), as ``(recording name, rows)``.
-
-    A figure must show one recording: rows of two recordings were taken on different code or a
-    differently loaded machine, so a selection that spans several raises ``ValueError`` naming
-    them; add ``recording=...`` to choose one. No matching row raises ``LookupError``.
-    """
-    prefix = tuple(match.pop("shape_prefix", ()))
-    suffix = tuple(match.pop("shape_suffix", ()))
-    rows = [row for row in recorded["rows"]
-            if all(row.get(key) == value for key, value in match.items())
-            and tuple(row["shape"][:len(prefix)]) == prefix
-            and (not suffix or tuple(row["shape"][-len(suffix):]) == suffix)]
-    if not rows:
-        raise LookupError(f"no recorded row matches {match}")
-    names = list(dict.fromkeys(row["recording"] for row in rows))
-    if len(names) > 1:
-        raise ValueError("these rows come from " + str(len(names)) + " recordings; a figure shows one:\n  "
-                         + "\n  ".join(names))
-    return names[0], rows
-
-
-def latest_recording(recorded: dict[str, Any], **match: Any) -> tuple[str, list[dict[str, Any]]]:
-    """Like :func:`rows_of_one_recording`, but when the rows span several recordings, those of
-    the one listed last in ``recorded["recordings"]`` (the file lists them oldest first)."""
-    try:
-        return rows_of_one_recording(recorded, **match)
-    except ValueError:
-        pass
-    probe = dict(match)
-    prefix, suffix = probe.pop("shape_prefix", ()), probe.pop("shape_suffix", ())
-    for name in reversed(list(recorded["recordings"])):
-        try:
-            return rows_of_one_recording(recorded, recording=name, shape_prefix=prefix,
-                                         shape_suffix=suffix, **probe)
-        except LookupError:
-            continue
-    raise LookupError(f"no recorded row matches {match}")
-
-
-def recording_caption(recorded: dict[str, Any], name: str) -> str:
-    """One line that says where a figure's numbers come from."""
-    recording = recorded["recordings"][name]
-    return f"recorded {name}" + (f" ({recording['note']})" if recording.get("note") else "")

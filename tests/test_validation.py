@@ -1,11 +1,13 @@
-"""Every bad input to ``causal_product`` gets a clear error that names the problem.
+"""Every bad input to ``causal_product`` gets a clear error that names the argument and the limit.
 
 The errors must come from the validation in ``ttx_tutorial._validation``, before any
-implementation is imported or run: a Triton compiler traceback is not a clear error. The
+implementation runs: a Triton compiler traceback is not a clear error. The
 ``implementations_unreachable`` fixture turns any call that gets past validation into a
-test failure, so these tests hold for the Triton methods without running a kernel.
+test failure, so these tests hold for the Triton methods without running a kernel. (Each
+kernel file's own checks give the same messages: tests/test_reliability.py.)
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -21,10 +23,11 @@ pytestmark = pytest.mark.usefixtures("implementations_unreachable")
 
 @pytest.fixture
 def implementations_unreachable(monkeypatch):
-    def load(method):
-        pytest.fail(f"bad input to {method.name!r} got past validation to its implementation")
+    for name, method in api._REGISTRY.items():
+        def unreachable(*args, name=name):
+            pytest.fail(f"bad input to {name!r} got past validation to its implementation")
 
-    monkeypatch.setattr(api.Method, "load", load)
+        monkeypatch.setitem(api._REGISTRY, name, dataclasses.replace(method, function=unreachable))
 
 
 def make_inputs(B=2, H=3, T=5, D=4, E=6, dtype=torch.float32, device=None):
@@ -92,7 +95,7 @@ def test_v_does_not_share_batch_heads_or_length(method, v_shape):
 def test_mixed_dtypes(method, position):
     args = list(make_inputs()[:3])
     args[position] = args[position].half()
-    with raises(TypeError, "same dtype", "torch.float16", "torch.float32"):
+    with raises(TypeError, "same dtype", f"{'qkv'[position]} torch.float16", "torch.float32"):
         causal_product(*args, method)
 
 
@@ -100,7 +103,7 @@ def test_mixed_dtypes(method, position):
 def test_non_floating_dtype(method, dtype):
     q, k, v, _ = (x.to(dtype) for x in make_inputs())
     with raises(TypeError, f"method {method!r} supports dtypes", "float32, float16, bfloat16",
-                str(dtype)):
+                f"q, k, v are {dtype}"):
         causal_product(q, k, v, method)
 
 
@@ -108,7 +111,7 @@ def test_non_floating_dtype(method, dtype):
 def test_float64_is_for_the_references_only(triton_method):
     q, k, v, _ = make_inputs(dtype=torch.float64)
     with raises(TypeError, f"method {triton_method!r} supports dtypes float32, float16, bfloat16;",
-                "torch.float64"):
+                "q, k, v are torch.float64"):
         causal_product(q, k, v, triton_method)
 
 
@@ -116,7 +119,7 @@ def test_float64_is_for_the_references_only(triton_method):
 def test_mixed_devices(method, position):
     args = list(make_inputs()[:3])
     args[position] = args[position].to("meta")  # stands in for a second device on any machine
-    with raises(ValueError, "same device", "meta", str(ttx_tutorial.DEVICE.type)):
+    with raises(ValueError, "same device", f"{'qkv'[position]} on meta", str(ttx_tutorial.DEVICE.type)):
         causal_product(*args, method)
 
 
@@ -170,7 +173,7 @@ def test_initial_state_not_a_tensor(method, bad):
 
 def test_initial_state_on_another_device(method):
     q, k, v, s0 = make_inputs()
-    with raises(ValueError, "initial_state must be on the same device as q", "meta"):
+    with raises(ValueError, "initial_state must be on the same device as q", str(q.device), "meta"):
         causal_product(q, k, v, method, initial_state=s0.to("meta"))
 
 
@@ -188,6 +191,34 @@ def test_head_dimension_above_the_kernel_limit(triton_method, D, E):
     with raises(ValueError, f"method {triton_method!r} supports D and E up to {MAX_HEAD_DIM}",
                 f"D={D}", f"E={E}"):
         causal_product(q, k, v, triton_method)
+
+
+def _bad_calls():
+    """One call of each kind above, as (args, kwargs) after ``q, k, v``'s positions: the kernel
+    files' own checks must refuse each with the API's message (tests/test_reliability.py)."""
+    q, k, v, s0 = make_inputs()
+    return {
+        "mixed_dtypes": ((q, k.half(), v), {}),
+        "int32_inputs": (tuple(x.to(torch.int32) for x in (q, k, v)), {}),
+        "int64_inputs": (tuple(x.to(torch.int64) for x in (q, k, v)), {}),
+        "float64_inputs": (tuple(x.double() for x in (q, k, v)), {}),
+        "k_with_another_D": ((q, k[..., :3], v), {}),
+        "v_with_another_T": ((q, k, v[:, :, :4]), {}),
+        "q_with_three_dimensions": ((q[0], k, v), {}),
+        "D_above_maximum": (make_inputs(B=1, H=1, T=2, D=MAX_HEAD_DIM + 1)[:3], {}),
+        "E_above_maximum": (make_inputs(B=1, H=1, T=2, E=MAX_HEAD_DIM + 1)[:3], {}),
+        "D_zero": (make_inputs(D=0)[:3], {}),
+        "initial_state_of_wrong_shape": ((q, k, v), {"initial_state": s0.mT}),
+        "integer_initial_state": ((q, k, v), {"initial_state": s0.to(torch.int32)}),
+        "initial_state_not_a_tensor": ((q, k, v), {"initial_state": s0.tolist()}),
+        "initial_state_on_another_device": ((q, k, v), {"initial_state": s0.to("meta")}),
+        "q_not_a_tensor": ((q.tolist(), k, v), {}),
+        "k_on_another_device": ((q, k.to("meta"), v), {}),
+        "inputs_on_a_device_the_method_does_not_use": (make_inputs(device="meta")[:3], {}),
+    }
+
+
+BAD_CALLS = _bad_calls()
 
 
 def test_the_triton_methods_are_registered():
