@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: the test suite compiled for the GPU, the notebooks under nbval
-# in GPU mode, then benchmarks/gpu_check.py (correctness and timings, fla side by side).
+# in GPU mode, python -m ttx_tutorial.bench (every method and peer side by side, timings and
+# errors), then benchmarks/gpu_check.py's config tuning and precision.
 #
-#   bash benchmarks/gpu_suite.sh [tests] [compile] [notebooks] [bench -- <gpu_check.py arguments>]
+#   bash benchmarks/gpu_suite.sh [tests] [compile] [notebooks] [bench] [check] [-- <bench arguments>]
 #
-# With no step named, runs all four. Logs and results go to $RESULTS (default benchmarks/results).
+# With no step named, runs all five. Logs and results go to $RESULTS (default benchmarks/results).
 # On a 16-core H200 machine with a cold Triton cache the tests take about 5 minutes with
 # TTX_HYPOTHESIS_EXAMPLES=10 (the default here; raise it for a longer run), the notebooks about 4
 # (notebook 05 times every method on the GPU). "compile" is the CPU-side check of every launch
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
     *) steps+=("$1"); shift ;;
   esac
 done
-[ ${#steps[@]} -gt 0 ] || steps=(tests compile notebooks bench)
+[ ${#steps[@]} -gt 0 ] || steps=(tests compile notebooks bench check)
 workers=$(( $(nproc) > 3 ? $(nproc) - 3 : 1 ))  # leave cores to the GPU process and the launcher
 
 status=0
@@ -42,7 +43,10 @@ for step in "${steps[@]}"; do
       python3 -m pytest notebooks -q -p no:cacheprovider 2>&1 | tee "$RESULTS/notebooks.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench)
-      python3 benchmarks/gpu_check.py --out "$RESULTS" "${bench_args[@]}" 2>&1 | tee "$RESULTS/bench.log"
+      python3 -m ttx_tutorial.bench --out "$RESULTS" "${bench_args[@]}" 2>&1 | tee "$RESULTS/bench.log"
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    check)
+      python3 benchmarks/gpu_check.py --out "$RESULTS" 2>&1 | tee "$RESULTS/check.log"
       status=$((status | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

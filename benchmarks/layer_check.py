@@ -12,13 +12,22 @@ Rows (bfloat16; (B, H, T, D = E) = (8, 16, 4096, 64) on a GPU, (1, 2, 64, 16) in
                    (B, T, H, D) layout made outside the timings; skipped when fla is missing
   compiled_*       torch.compile(mode="reduce-overhead", fullgraph=True) of plain and normalised:
                    the time of a call against the GPU's busy time in it (torch.profiler)
-  step             linear_attention_step at (B, H, D, E) = (8, 16, 64, 64) ((2, 2, 16, 16) in CPU
-                   mode): an eager call, and a CUDA-graph replay
+  step             linear_attention_step (one launch of kernels/step.py) at (B, H, D, E) =
+                   (8, 16, 64, 64) ((2, 2, 16, 16) in CPU mode), elu features, normalised
+  step_pytorch     the same step as PyTorch operations (state update, product, normaliser)
+  step_host        the step's wrappers alone: linear_attention_step with the kernel launch
+                   replaced by a no-op (checks, output allocation, launch plan), per call
 Each row: "ms" (median of triton.testing.do_bench of one call, host included; the median wall
 time in CPU mode) and, on a GPU, "gpu_ms" (the same call replayed from a CUDA graph, or for the
-compiled rows the kernels' busy time). Ours and fla alternate for --rounds rounds (the host's
-speed drifts within a run); the median round is kept. "ratios" compares the rows the targets
-name. The JSON also records the date, GPU, versions and this command.
+compiled rows the kernels' busy time). The step rows' "ms" is instead the wall time of 2000
+calls in a row divided by 2000, with one synchronisation at the end: what a generation loop
+sees (do_bench empties the L2 cache before each call, and the host's work for the next call
+hides behind that). Every fwd+bwd call takes its gradients with torch.autograd.grad and drops
+them: nothing outlives the call, as compiled CUDA graphs require (each replay reuses its
+output memory; a gradient accumulated into .grad would be read after the next replay
+overwrote it: PyTorch issue #169545). Ours and fla alternate for --rounds rounds (the host's speed drifts within a
+run); the median round is kept. "ratios" compares the rows the targets name. The JSON also
+records the date, GPU, versions and this command.
 """
 
 from __future__ import annotations
@@ -29,21 +38,22 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
-from ttx_tutorial.benchmark import time_ms  # noqa: E402
+from ttx_tutorial.course.figures import time_ms  # noqa: E402
+from ttx_tutorial.kernels import step as step_kernels  # noqa: E402
 from ttx_tutorial.testing import random_inputs, relative_error  # noqa: E402
 
 ON_GPU = ttx_tutorial.on_gpu()
 
 
-def graph_ms(fn, leaves=()):
-    """Median ms of fn replayed from a CUDA graph: the GPU's time alone. ``leaves`` start the
-    capture without .grad, so the replay writes fresh gradients instead of adding to old ones."""
+def graph_ms(fn):
+    """Median ms of fn replayed from a CUDA graph: the GPU's time alone."""
     if not ON_GPU:
         return None
     stream = torch.cuda.Stream()
@@ -52,8 +62,6 @@ def graph_ms(fn, leaves=()):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    for leaf in leaves:
-        leaf.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -76,24 +84,40 @@ def busy_ms(fn, calls=20):
     return total_us / calls / 1e3
 
 
-def call_ms(fn, leaves=()):
+def call_ms(fn):
     if ON_GPU:
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(leaves),
-                                             return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     return time_ms(fn, cpu_repeats=3)
 
 
+def loop_ms(fn, calls=2000):
+    """Wall ms per call of ``calls`` calls in a row, synchronised once at the end (3 in CPU mode)."""
+    calls = calls if ON_GPU else 3
+    for _ in range(10 if ON_GPU else 1):
+        fn()
+    if ON_GPU:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if ON_GPU:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
 def forward_and_backward(fn, inputs):
-    """fn's forward on ``inputs``, and forward+backward on leaf copies of them."""
+    """fn's forward on ``inputs``, and forward+backward on leaf copies of them. The gradients
+    are returned by torch.autograd.grad and dropped, never accumulated into .grad (see the
+    module docstring)."""
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     grad_out = torch.randn_like(fn(*inputs))
 
     def step():
-        fn(*leaves).backward(grad_out)
+        torch.autograd.grad(fn(*leaves), leaves, grad_out)
 
-    return (lambda: fn(*inputs)), step, leaves
+    return (lambda: fn(*inputs)), step
 
 
 def load_fla():
@@ -108,6 +132,23 @@ def load_fla():
 
 def phi(x):
     return torch.nn.functional.elu(x) + 1
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def pytorch_step(q, k, v, state, eps=1e-6):
+    """The normalised step as PyTorch operations on the float32 (S, z) state: what the kernel replaces."""
+    phi_q, phi_k = phi(q).to(state.dtype), phi(k).to(state.dtype)
+    S, z = state[..., :-1], state[..., -1]
+    S.add_(phi_k.unsqueeze(-1) * v.to(state.dtype).unsqueeze(-2))
+    z.add_(phi_k)
+    out = torch.einsum("bhd,bhde->bhe", phi_q, S) / ((phi_q * z).sum(-1, keepdim=True) + eps)
+    return out.to(q.dtype)
 
 
 def main():
@@ -168,14 +209,11 @@ def main():
             if name in failures:
                 continue
             try:
-                forward, step, leaves = forward_and_backward(fn, inputs)
+                forward, step = forward_and_backward(fn, inputs)
                 compiled = name.startswith("compiled")
-                for mode, call, call_leaves in (("fwd", forward, ()), ("fwd+bwd", step, leaves)):
-                    ms = call_ms(call, call_leaves)
-                    if compiled:
-                        gpu = busy_ms(call)
-                    else:
-                        gpu = graph_ms(call, call_leaves)
+                for mode, call in (("fwd", forward), ("fwd+bwd", step)):
+                    ms = call_ms(call)
+                    gpu = busy_ms(call) if compiled else graph_ms(call)
                     timings.setdefault((name, mode), []).append((ms, gpu))
             except RuntimeError as error:  # recorded, and the other rows still measured
                 failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -195,13 +233,34 @@ def main():
     # One generation step: (B, H, D) queries and keys, (B, H, E) values, state (B, H, D, E + 1).
     sb, sh, sd = step_shape
     sq, sk, sv = (x[:, :, 0] for x in random_inputs(sb, sh, 1, sd, dtype=dtype, seed=1))
-    state = torch.zeros(sb, sh, sd, sd + 1, dtype=torch.float32, device=ttx_tutorial.DEVICE)
-
-    def one_step():
-        ttx_tutorial.linear_attention_step(sq, sk, sv, state)
-
-    rows.append({"name": "step", "mode": "fwd", "shape": [sb, sh, 1, sd, sd], "dtype": "bf16",
-                 "ms": round(call_ms(one_step), 5), "gpu_ms": graph_ms(one_step), "rel_err": None})
+    # The state of a 100-token prompt (from zeros, every output would be about v itself).
+    _, prompt_state = ttx_tutorial.causal_linear_attention(
+        *random_inputs(sb, sh, 100, sd, dtype=torch.float32, seed=2), method="quadratic", return_state=True)
+    states = {name: prompt_state.clone() for name in ("step", "step_pytorch")}
+    steps = {"step": lambda: ttx_tutorial.linear_attention_step(sq, sk, sv, states["step"]),
+             "step_pytorch": lambda: pytorch_step(sq, sk, sv, states["step_pytorch"])}
+    expected_step = pytorch_step(sq.double().cpu(), sk.double().cpu(), sv.double().cpu(),
+                                 prompt_state.double().cpu())
+    step_samples = {}
+    with torch.no_grad():  # the step is inference only
+        step_errors = {name: relative_error(fn(), expected_step) for name, fn in steps.items()}
+        for _ in range(args.rounds):
+            for name, fn in steps.items():
+                step_samples.setdefault(name, []).append((loop_ms(fn), graph_ms(fn)))
+        # The wrappers' share of a call: everything but Triton's launcher and the kernel.
+        real_kernel = step_kernels.step_kernel
+        step_kernels.step_kernel = _NoLaunch()
+        try:
+            step_samples["step_host"] = [(loop_ms(steps["step"]), None) for _ in range(args.rounds)]
+        finally:
+            step_kernels.step_kernel = real_kernel
+        step_errors["step_host"] = None
+    for name, samples in step_samples.items():
+        gpus = [s[1] for s in samples if s[1] is not None]
+        rows.append({"name": name, "mode": "fwd", "shape": [sb, sh, 1, sd, sd], "dtype": "bf16",
+                     "ms": round(statistics.median(s[0] for s in samples), 5),
+                     "rounds_ms": [round(s[0], 5) for s in samples],
+                     "gpu_ms": round(statistics.median(gpus), 5) if gpus else None, "rel_err": step_errors[name]})
 
     by_name = {(r["name"], r["mode"]): r for r in rows if "mode" in r}
 
@@ -220,7 +279,13 @@ def main():
         "fla fused_chunk / normalised, fwd+bwd, per call (target >= 3)":
             ratio(("fla_fused_chunk", "fwd+bwd"), ("normalised", "fwd+bwd"), "ms"),
         "compiled plain / plain, fwd+bwd, GPU time": ratio(("compiled_plain", "fwd+bwd"), ("plain", "fwd+bwd"), "gpu_ms"),
+        "step_pytorch / step, per call": ratio(("step_pytorch", "fwd"), ("step", "fwd"), "ms"),
+        "step_pytorch / step, replay": ratio(("step_pytorch", "fwd"), ("step", "fwd"), "gpu_ms"),
     }
+    step_row = by_name.get(("step", "fwd"))
+    ratios["step per call / 0.040 ms (target <= 1)"] = round(step_row["ms"] / 0.040, 3)
+    ratios["step replay / 0.006 ms (target <= 1)"] = (
+        round(step_row["gpu_ms"] / 0.006, 3) if step_row["gpu_ms"] is not None else None)
     for name in ("compiled_plain", "compiled_normalised"):
         row = by_name.get((name, "fwd+bwd"))
         ratios[f"{name} fwd+bwd, call / GPU busy (target <= 1.3)"] = (

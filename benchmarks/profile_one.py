@@ -4,7 +4,7 @@
         python benchmarks/profile_one.py recurrent 1,8,16384,64 --config '{"BLOCK_E": 2}'
 
 The warm-up call compiles the kernel, so the profiled launch is the second one; ``-c`` or
-``--launch-skip`` select it. Inputs are bfloat16, drawn as in gpu_check.py.
+``--launch-skip`` select it. Inputs are bfloat16, drawn as in ttx_tutorial.bench.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main():
     args = parser.parse_args()
     B, H, T, D, *rest = (int(x) for x in args.shape.split(","))
     E = rest[0] if rest else D
-    fn = ttx_tutorial.method_info(args.method).load()
+    fn = ttx_tutorial.method_info(args.method).function
     config = json.loads(args.config) if args.config else None
     q, k, v = random_inputs(B, H, T, D, E, dtype=torch.bfloat16, device="cuda", seed=0,
                             requires_grad=args.backward)

@@ -12,6 +12,15 @@ from .course.notebook import banner, describe, on_gpu, size  # what every notebo
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # ttx_tutorial.distributed loads on first use: most programs never need it.
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: Lowest and highest versions the whole suite has passed on: the GPU machine (H200) runs the
 #: lowest, CI (constraints.txt, CPU interpreter) the highest. Widen only after a full run.
 COMPATIBILITY = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.9")}

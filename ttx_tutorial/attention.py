@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from ._device import DEVICE
 from .api import AUTO, causal_product
+from .kernels import step as _step
 
 
 def _elu_plus_one(x):
@@ -67,6 +69,10 @@ def _check_eps(eps):
 def _compute_dtype(dtype, normalize):
     """The dtype the product runs in: float32 for normalised float16 (module docstring)."""
     return torch.float32 if normalize and dtype == torch.float16 else dtype
+
+
+_STEP_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_ON_CUDA = DEVICE.type == "cuda"
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1e-6, method=AUTO,
@@ -125,10 +131,26 @@ def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, 
     """One token of causal linear attention, O(1) in the sequence length; updates ``state`` in place.
 
     q, k: (B, H, D); v: (B, H, E); state: (B, H, D, E + 1) float32 when normalising ((S, z), as
-    :func:`causal_linear_attention` returns it), (B, H, D, E) otherwise. Adds phi(k) [v, 1]^T to
-    the state, then returns phi(q)^T S / (phi(q)^T z + eps) as (B, H, E) in the dtype of q. No
-    host synchronisation and a fixed memory footprint: a CUDA graph can capture it.
+    :func:`causal_linear_attention` returns it), (B, H, D, E) otherwise, contiguous. Adds
+    phi(k) [v, 1]^T to the state, then returns phi(q)^T S / (phi(q)^T z + eps) as (B, H, E) in
+    the dtype of q. Inference only: a RuntimeError when autograd would need a gradient (train
+    with :func:`causal_linear_attention`).
+
+    One launch of ``ttx_tutorial.kernels.step`` (the interpreter in CPU mode) for float32,
+    float16 and bfloat16 tensors on the kernels' device; named feature maps are computed in the
+    kernel, a callable one by PyTorch first. Other dtypes (float64) and tensors on another
+    device take a PyTorch path of a few operations. Either way no host synchronisation and a
+    fixed memory footprint: a CUDA graph can capture it.
     """
+    # Anything but a tensor goes to the kernel's checks, which name it.
+    if not isinstance(q, torch.Tensor) or (q.dtype in _STEP_KERNEL_DTYPES and q.is_cuda is _KERNEL_ON_CUDA):
+        if type(feature_map) is not str:  # a callable: mapped here, the kernel takes them as they are
+            feature = feature_map_function(feature_map)
+            q, k, feature_map = feature(q), feature(k), "identity"
+        return _step.step_update(q, k, v, state, feature_map=feature_map, normalize=normalize, eps=eps)
+    # The PyTorch path: the same update and product, in float32 like the state.
+    _step._check_no_gradient(q, k, v, state)
+    _check_eps(eps)
     feature = feature_map_function(feature_map)
     phi_q, phi_k = feature(q).float(), feature(k).float()
     v = v.float()
@@ -154,8 +176,10 @@ class CausalLinearAttention(nn.Module):
     Generation: ``forward(prompt, return_state=True)`` processes a prompt in parallel (prefill)
     and returns the state (B, H, head_dim, head_dim + 1) float32 next to the output; then
     ``step(x_t, state)`` takes one token (B, dim), updates the state in place and returns the
-    token's output (B, dim), in time and memory independent of how many tokens came before.
-    ``initial_state(batch)`` gives the empty state to start from without a prompt.
+    token's output (B, dim), in time and memory independent of how many tokens came before
+    (:func:`linear_attention_step`: one kernel launch; inference only, so generate under
+    ``torch.no_grad()``). ``initial_state(batch)`` gives the empty state to start from without
+    a prompt.
     """
 
     def __init__(self, dim, heads, *, head_dim=None, feature_map="elu", eps=1e-6, method=AUTO,
@@ -202,7 +226,8 @@ class CausalLinearAttention(nn.Module):
                            device=device)
 
     def step(self, x, state):
-        """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place."""
+        """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place. Inference
+        only: under autograd the weights require grad and :func:`linear_attention_step` refuses."""
         if x.dim() != 2:
             raise ValueError(f"x must have 2 dimensions (batch, dim) for one token, got shape {tuple(x.shape)}")
         expected = (x.shape[0], self.heads, self.head_dim, self.head_dim + 1)

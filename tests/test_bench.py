@@ -1,0 +1,227 @@
+"""python -m ttx_tutorial.bench: the quick run in CPU mode writes one row per contender, shape,
+dtype and mode with honest errors, its CSV, JSON and plots; --record merges one recording into a
+copy of the recorded data and keeps that file's invariants and every notebook figure."""
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_recorded_data as recorded_invariants
+import ttx_tutorial
+from ttx_tutorial import bench
+from ttx_tutorial.testing import TOLERANCES, poisoned_allocations, run_python
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "ttx_tutorial" / "course" / "data" / "h200.json"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run in a fresh process in CPU mode, recording into a copy of the data file."""
+    folder = tmp_path_factory.mktemp("bench")
+    # A copy of the recorded data. A file holds one device's figures: this copy stands for the
+    # CPU's, and keeps the GPU's rows.
+    copy = json.loads(DATA.read_text())
+    copy["env"]["gpu"] = bench.CPU_DEVICE
+    data = folder / "recorded.json"
+    data.write_text(json.dumps(copy))
+    # As `python -m ttx_tutorial.bench --quick ...` in CPU mode.
+    result = run_python("import runpy; runpy.run_module('ttx_tutorial.bench', run_name='__main__')",
+                        "--quick", "--out", str(folder / "out"), "--record", str(data), timeout=300,
+                        TTX_TUTORIAL_DEVICE="cpu")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((folder / "out" / "bench.json").read_text())
+    return folder, report, json.loads(data.read_text()), result.stdout
+
+
+def expected_points():
+    (B, H, D, E), lengths = bench.QUICK_SWEEP["cpu"]
+    shapes = [("shapes", shape) for shape in bench.QUICK_SHAPES["cpu"]]
+    shapes += [("sweep", (B, H, T, D, E)) for T in lengths]
+    return {(part, shape, impl, mode, label)
+            for part, shape in shapes for impl in (*ttx_tutorial.METHODS, "sdpa_softmax")
+            for mode in bench.MODES for label in ("fp32", "bf16")}
+
+
+def test_the_quick_run_writes_one_measured_row_per_point(quick_run):
+    _, report, _, _ = quick_run
+    assert report["complete"]
+    rows = report["rows"]
+    points = [(r["part"], tuple(r["shape"]), r["impl"], r["mode"], r["dtype"]) for r in rows]
+    assert len(points) == len(set(points)), "a point was measured twice"
+    assert set(points) == expected_points()
+    for row in rows:
+        assert row["note"] is None, row
+        assert row["ms"] > 0 and row["host_us"] > 0 and row["gpu_ms"] is None  # no GPU: no graph
+        assert math.isclose(row["bandwidth_TBps"], row["floor_ms"] * report["env"]["copy_TBps"] / row["ms"],
+                            rel_tol=1e-9)
+
+
+def test_every_forward_error_is_finite_and_within_the_dtype_tolerance(quick_run):
+    _, report, _, _ = quick_run
+    tolerance = {"fp32": TOLERANCES[torch.float32], "bf16": TOLERANCES[torch.bfloat16]}
+    for row in report["rows"]:
+        if row["mode"] == "fwd":
+            assert math.isfinite(row["rel_err"]) and row["rel_err"] <= tolerance[row["dtype"]], row
+        else:
+            assert row["rel_err"] is None
+
+
+def test_csv_and_plots_are_written(quick_run):
+    folder, report, _, _ = quick_run
+    with open(folder / "out" / "bench.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == len(report["rows"])
+    assert [row["ms"] for row in table] == [str(row["ms"]) for row in report["rows"]]
+    plots = sorted(path.name for path in (folder / "out").glob("*.png"))
+    assert plots == sorted(f"{name}_{part}_{dtype}.png" for name in ("time", "bandwidth")
+                           for part in ("shapes", "sweep") for dtype in ("fp32", "bf16"))
+    for name in plots:
+        assert (folder / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_run_prints_its_comparison_with_the_peers(quick_run):
+    *_, stdout = quick_run
+    table = stdout.split("fastest of ours against the fastest peer")[1]
+    for shape in bench.QUICK_SHAPES["cpu"]:
+        assert len(re.findall(re.escape(str(shape)) + r" +(fp32|bf16) +fwd", table)) == 4  # two dtypes, two modes
+
+
+def test_the_record_keeps_the_data_files_invariants(quick_run):
+    _, report, recorded, _ = quick_run
+    recorded_invariants.test_every_row_belongs_to_a_listed_recording_and_every_recording_has_rows(recorded)
+    recorded_invariants.test_recordings_are_named_by_date_gpu_versions_and_command(recorded)
+    recorded_invariants.test_no_row_of_a_triton_method_is_superseded_by_a_later_recording(recorded)
+    newest = list(recorded["recordings"])[-1]
+    assert newest == report["env"]["recording"]
+    assert newest.endswith(": python -m ttx_tutorial.bench --quick"), "where results go is not part of the name"
+    assert sum(row["recording"] == newest for row in recorded["rows"]) == len(report["rows"])
+
+
+def test_the_record_keeps_what_the_notebook_figures_read_and_drops_the_rest(quick_run):
+    _, _, recorded, _ = quick_run
+    before = json.loads(DATA.read_text())
+    # The quick run re-measures none of the old rows: the old rows kept are those a figure read.
+    read = {json.dumps(row, sort_keys=True) for rows in bench.figure_rows(before) for row in rows}
+    kept = [row for row in recorded["rows"] if row["recording"] in before["recordings"]]
+    assert {json.dumps(row, sort_keys=True) for row in kept} == read
+    assert {"precision", "peers", "overhead", "sweep", "shapes"} <= {row["part"] for row in kept}
+    assert not {"tune", "trace"} & {row["part"] for row in kept}, "no figure reads these"
+
+
+def test_the_record_follows_every_kind_of_row_the_notebooks_draw():
+    """figure_rows mirrors the notebooks' selections: a notebook that starts to draw another
+    part must be taught to the record, or the record would drop that part's rows."""
+    drawn = set()
+    for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                drawn |= set(re.findall(r"part=[\"'](\w+)[\"']", "".join(cell["source"])))
+    kept = {row["part"] for rows in bench.figure_rows(json.loads(DATA.read_text())) for row in rows}
+    assert drawn == kept == {"shapes", "peers", "sweep", "precision", "overhead"}
+
+
+OLD = "2026-01-01 NVIDIA H200, torch 2.11, triton 3.6: python -m ttx_tutorial.bench --shapes 1,8,256,64"
+OLD_TUNE = "2026-01-01 NVIDIA H200, torch 2.11, triton 3.6: python benchmarks/gpu_check.py --parts tune"
+
+
+def synthetic_file(path):
+    def row(impl, T, recording, part="shapes", config=None):
+        return {"shape": [1, 8, T, 64, 64], "impl": impl, "mode": "fwd", "dtype": "bf16", "ms": 1.0,
+                "rel_err": 1e-3, "config": config, "part": part, "recording": recording}
+
+    path.write_text(json.dumps({"env": {}, "about": "test", "recordings": {OLD: {}, OLD_TUNE: {}}, "rows": [
+        row("chunked", 256, OLD), row("scan", 256, OLD), row("chunked", 256, OLD_TUNE, "tune", "default")]}))
+
+
+def new_rows(*impls):
+    return [{"shape": [1, 8, 256, 64, 64], "impl": impl, "mode": "fwd", "dtype": "bf16", "ms": 0.5,
+             "host_us": 20.0, "gpu_ms": 0.4, "rel_err": 2e-3, "part": "shapes", "note": None} for impl in impls]
+
+
+ENV = {"gpu": "NVIDIA H200", "sms": 132, "torch": "2.11", "triton": "3.6", "python": "3.12", "date": "2026-02-02",
+       "fla": None, "copy_TBps": 4.2, "command": "python -m ttx_tutorial.bench --shapes 1,8,256,64"}
+
+
+def test_a_re_measured_row_replaces_the_old_one_and_unread_recordings_go(tmp_path):
+    path = tmp_path / "recorded.json"
+    synthetic_file(path)
+    merged = bench.record(path, new_rows("chunked") + [{**new_rows("recurrent")[0], "ms": None,
+                                                        "note": "failed: x"}], ENV)
+    assert merged == json.loads(path.read_text())
+    name = list(merged["recordings"])[-1]
+    assert [(row["impl"], row["recording"]) for row in merged["rows"]] == [("scan", OLD), ("chunked", name)]
+    assert list(merged["recordings"]) == [OLD, name], "the tune recording is read by no figure"
+    assert merged["rows"][-1]["gpu_ms"] == 0.4 and merged["rows"][-1]["host_us"] == 20.0
+    # The same command again replaces its own recording, and a recording left without rows goes.
+    merged = bench.record(path, new_rows("chunked", "scan"), ENV)
+    assert [row["impl"] for row in merged["rows"]] == ["chunked", "scan"]
+    assert list(merged["recordings"]) == [name]
+
+
+def test_nothing_measured_and_another_device_are_refused_and_the_file_is_untouched(tmp_path):
+    path = tmp_path / "recorded.json"
+    synthetic_file(path)
+    before = path.read_text()
+    with pytest.raises(ValueError, match="every row was skipped or failed"):
+        bench.record(path, [{**new_rows("chunked")[0], "ms": None, "note": "failed: x"}], ENV)
+    bench.record(path, new_rows("chunked"), ENV)
+    measured = path.read_text()
+    with pytest.raises(ValueError, match="holds figures of NVIDIA H200, this run measured NVIDIA A100"):
+        bench.record(path, new_rows("chunked"), {**ENV, "gpu": "NVIDIA A100"})
+    assert path.read_text() == measured != before
+
+
+def test_an_unwritten_or_wrong_output_shows_in_the_error_column():
+    point = bench.Point((1, 2, 20, 8, 8), torch.float32, seed=1)
+    with poisoned_allocations():
+        unwritten = bench.measure(point, bench.Contender("unwritten", lambda q, k, v: torch.empty_like(v),
+                                                         (torch.float32,)), "fwd", copy_TBps=1.0)
+    assert unwritten["rel_err"] == math.inf
+    sees_the_future = bench.Contender("non-causal", lambda q, k, v: (q @ k.transpose(-1, -2)) @ v, (torch.float32,))
+    assert bench.measure(point, sees_the_future, "fwd", copy_TBps=1.0)["rel_err"] > 0.1
+    right = bench.method_contenders(["cumsum"])[0]
+    assert bench.measure(point, right, "fwd", copy_TBps=1.0)["rel_err"] <= TOLERANCES[torch.float32]
+
+
+def test_a_dtype_a_contender_refuses_is_skipped_with_the_reason():
+    point = bench.Point((1, 1, 8, 4, 4), torch.bfloat16, seed=2)
+    row = bench.measure(point, bench.Contender("float32 only", lambda q, k, v: v, (torch.float32,)), "fwd", 1.0)
+    assert row["ms"] is None and row["note"] == "skipped: float32 only takes fp32"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--shapes", "1,2,3"], "--shapes: '1,2,3' must be 4 or 5 positive integers"),
+    (["--shapes", "1,2,x,4"], "--shapes: '1,2,x,4' is not B,H,T,D"),
+    (["--sweep", "1,8,64:256"], "--sweep: '1,8,64:256' must be four positive B,H,D,E"),
+    (["--dtypes", "float64"], "--dtypes: unknown 'float64'; choose from float32, float16, bfloat16"),
+    (["--methods", "fast"], "--methods: unknown 'fast'; choose from loop"),
+    (["--shapes", "", "--sweep", ""], "--shapes and --sweep are both empty: nothing to measure"),
+    (["--modes", "bwd"], "--modes: unknown 'bwd'; choose from fwd, fwd+bwd"),
+    (["--modes", ""], "--dtypes, --modes and one of --methods/--peers must name at least one"),
+])
+def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(arguments)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_row_has_its_graph_replay_host_time_and_bandwidth():
+    copy_TBps = bench.copy_bandwidth_TBps(quick=True)
+    assert copy_TBps > 0.1
+    point = bench.Point((2, 4, 512, 64, 64), torch.bfloat16, seed=3)
+    found, _ = bench.peer_contenders(["sdpa_softmax", "fla_fused_chunk"])
+    for contender in bench.method_contenders(["recurrent", "chunked", "scan", "cumsum"]) + found:
+        for mode in bench.MODES:
+            row = bench.measure(point, contender, mode, copy_TBps)
+            assert row["note"] is None, row
+            assert row["ms"] > 0 and row["gpu_ms"] > 0 and row["host_us"] > 0, row
+            assert 0 < row["bandwidth_TBps"] < 2 * copy_TBps, row
+            if mode == "fwd":
+                assert row["rel_err"] <= TOLERANCES[torch.bfloat16], row

@@ -1,0 +1,353 @@
+"""The generation step kernel (ttx_tutorial/kernels/step.py) and linear_attention_step on it.
+
+Every output is checked against a float64 step written here, on fresh random inputs, with the
+outputs allocated NaN-filled; generation is checked against the parallel forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ttx_tutorial
+from ttx_tutorial.kernels import step
+from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations, random_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: feature map as passed -> its float64 version
+FEATURES = {
+    "elu": lambda x: F.elu(x) + 1,
+    "relu": F.relu,
+    "identity": lambda x: x,
+    "softplus": F.softplus,  # a callable: PyTorch maps q and k, the kernel takes them as they are
+}
+
+
+def as_argument(feature):
+    return F.softplus if feature == "softplus" else feature
+
+
+def step64(q, k, v, state, phi, normalize, eps):
+    """(out, new state) in float64 from the given tensors, none of them modified."""
+    q, k, v, state = (x.detach().to("cpu", torch.float64) for x in (q, k, v, state))
+    pq, pk = phi(q), phi(k)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if normalize else v
+    state = state + pk[..., :, None] * values[..., None, :]
+    product = torch.einsum("bhd,bhde->bhe", pq, state)
+    out = product[..., :-1] / (product[..., -1:] + eps) if normalize else product
+    return out, state
+
+
+def token_inputs(B, H, D, E, dtype, normalize, *, positive=False, seed=None):
+    """q, k (B, H, D), v (B, H, E) in ``dtype`` and a float32 state of a few earlier tokens."""
+    q, k, v = (x[:, :, 0] for x in random_inputs(B, H, 1, D, E, dtype=dtype, seed=seed))
+    if positive:  # a normalised identity map needs positive features
+        q, k = q.abs(), k.abs()
+    generator = torch.Generator().manual_seed(0 if seed is None else seed)
+    state = torch.randn(B, H, D, E + normalize, generator=generator).to(ttx_tutorial.DEVICE)
+    if normalize:  # z of earlier tokens: positive sums of positive features
+        state[..., -1] = state[..., -1].abs() + 1
+    return q, k, v, state
+
+
+def check_step(feature, normalize, dtype, B=2, H=3, D=20, E=37, eps=1e-6):
+    q, k, v, state = token_inputs(B, H, D, E, dtype, normalize, positive=feature == "identity")
+    expected_out, expected_state = step64(q, k, v, state, FEATURES[feature], normalize, eps)
+    pointer = state.data_ptr()
+    with torch.no_grad(), poisoned_allocations():
+        out = ttx_tutorial.linear_attention_step(q, k, v, state, feature_map=as_argument(feature),
+                                                 normalize=normalize, eps=eps)
+    assert out.dtype == dtype and out.shape == (B, H, E)
+    assert state.data_ptr() == pointer, "the state was replaced, not updated in place"
+    # The kernel maps the (exact) inputs in float32, so its state is float32-accurate whatever
+    # their dtype; a callable map runs in PyTorch first and rounds phi to the inputs' dtype.
+    state_dtype = dtype if feature == "softplus" else torch.float32
+    assert_close(state, expected_state, state_dtype, f"{feature} state")
+    assert_close(out, expected_out, dtype, f"{feature} output")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_step_matches_float64(feature, normalize, dtype):
+    check_step(feature, normalize, dtype)
+
+
+@pytest.mark.parametrize("D, E", [(1, 1), (16, 16), (3, 256), (256, 5), (100, 130), (256, 256)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_head_dims_up_to_the_limit(D, E, normalize):
+    check_step("elu", normalize, torch.float32, B=1, H=2, D=D, E=E)
+
+
+def test_bfloat16_at_the_generation_shape():
+    check_step("elu", True, torch.bfloat16, B=8, H=16, D=64, E=64)
+
+
+def test_eps_enters_the_denominator():
+    # relu of a negative query is zero: the denominator is eps alone, and out = 0 / eps.
+    q, k, v, state = token_inputs(1, 2, 8, 4, torch.float32, True)
+    with torch.no_grad():
+        out = ttx_tutorial.linear_attention_step(-q.abs() - 1, k, v, state, feature_map="relu", eps=0.5)
+    assert torch.equal(out, torch.zeros_like(out))
+    check_step("elu", True, torch.float32, eps=3.0)
+
+
+def test_state_update_equals_the_pytorch_path():
+    """float32 inputs through the kernel, their float64 copies through the PyTorch path: the same
+    float32 state afterwards, token after token."""
+    kernel_state = token_inputs(2, 3, 24, 24, torch.float32, True)[3]
+    torch_state = kernel_state.clone()
+    with torch.no_grad():
+        for seed in range(4):
+            q, k, v, _ = token_inputs(2, 3, 24, 24, torch.float32, True, seed=seed + 1)
+            out = ttx_tutorial.linear_attention_step(q, k, v, kernel_state)
+            expected = ttx_tutorial.linear_attention_step(q.double(), k.double(), v.double(), torch_state)
+            assert expected.dtype == torch.float64  # the PyTorch path ran
+            assert_close(kernel_state, torch_state, torch.float32, f"state after token {seed}")
+            assert_close(out, expected, torch.float32, f"output of token {seed}")
+
+
+@pytest.mark.parametrize("dtype, prompt", [(torch.float32, 16), (torch.float32, 13),
+                                           (torch.bfloat16, 64), (torch.bfloat16, 50)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_generation_equals_the_parallel_forward(dtype, prompt, normalize):
+    """Prefill with the chunked kernel (16-token chunks in float32, 64 in 16-bit), then steps."""
+    q, k, v = random_inputs(1, 2, prompt + 6, 16, 12, dtype=dtype)
+    options = {"normalize": normalize, "method": "chunked"}
+    with torch.no_grad():
+        whole = ttx_tutorial.causal_linear_attention(q, k, v, **options)
+        first, state = ttx_tutorial.causal_linear_attention(q[:, :, :prompt], k[:, :, :prompt],
+                                                            v[:, :, :prompt], return_state=True, **options)
+        steps = [ttx_tutorial.linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, normalize=normalize)
+                 for t in range(prompt, q.shape[2])]
+    generated = torch.cat([first, torch.stack(steps, dim=2)], dim=2)
+    assert_close(generated, whole, dtype, "generated")
+    expected = whole.new_empty(whole.shape, dtype=torch.float64, device="cpu")
+    running = torch.zeros(1, 2, 16, 12 + normalize, dtype=torch.float64)
+    for t in range(q.shape[2]):
+        expected[:, :, t], running = step64(q[:, :, t], k[:, :, t], v[:, :, t], running, FEATURES["elu"],
+                                            normalize, 1e-6)
+    assert_close(generated, expected, dtype, "against float64")
+
+
+def test_strided_inputs_and_an_empty_batch():
+    q, k, v, state = token_inputs(2, 4, 16, 8, torch.float32, True)
+    wide = torch.randn(4, 2, 40, device=ttx_tutorial.DEVICE)
+    q_view = wide[..., :16].transpose(0, 1)  # (2, 4, 16), strides in every dimension
+    expected_out, expected_state = step64(q_view, k, v, state, FEATURES["elu"], True, 1e-6)
+    with torch.no_grad():
+        out = ttx_tutorial.linear_attention_step(q_view, k, v, state)
+        empty = ttx_tutorial.linear_attention_step(q[:0], k[:0], v[:0], state[:0])
+    assert_close(out, expected_out, torch.float32)
+    assert_close(state, expected_state, torch.float32, "state")
+    assert empty.shape == (0, 4, 8)
+
+
+# --------------------------------------------------------------------------- refusals
+
+def bad_inputs():
+    q, k, v, state = token_inputs(2, 3, 8, 4, torch.float32, True)
+    return {"q": q, "k": k, "v": v, "state": state}
+
+
+BAD = [
+    ({"q": "query"}, TypeError, "q must be a torch.Tensor"),
+    ({"q": torch.zeros(2, 3, 1, 8)}, ValueError, r"q must have 3 dimensions \(B, H, D\)"),
+    ({"k": torch.zeros(2, 3, 9)}, ValueError, "q and k must have the same shape"),
+    ({"v": torch.zeros(2, 4, 4)}, ValueError, "v must share B and H with q"),
+    ({"v": torch.zeros(2, 3, 4, dtype=torch.bfloat16)}, TypeError, "must have the same dtype"),
+    ({"state": torch.zeros(2, 3, 8, 4)}, ValueError, r"state must have shape \(B, H, D, E \+ 1\)"),
+    ({"state": torch.zeros(2, 3, 8, 5, dtype=torch.float64)}, TypeError, "state must be float32"),
+    ({"state": torch.zeros(2, 3, 5, 8).mT}, ValueError, "state must be contiguous"),
+    ({"q": torch.zeros(2, 3, 300), "k": torch.zeros(2, 3, 300), "state": torch.zeros(2, 3, 300, 5)},
+     ValueError, "D and E up to 256"),
+    ({"feature_map": "tanh"}, ValueError, "feature_map must be one of"),
+    ({"feature_map": 3}, ValueError, "feature_map must be one of"),
+    ({"normalize": 1}, TypeError, "normalize must be a bool"),
+    ({"eps": float("nan")}, ValueError, "eps must be finite"),
+    ({"eps": "small"}, TypeError, "eps must be a float"),
+]
+
+
+@pytest.mark.parametrize("change, error, words", BAD, ids=[words for _, _, words in BAD])
+def test_bad_inputs_are_named(change, error, words):
+    arguments = {**bad_inputs(), **{name: (value.to(ttx_tutorial.DEVICE) if isinstance(value, torch.Tensor)
+                                           else value) for name, value in change.items()}}
+    with torch.no_grad(), pytest.raises(error, match=words):
+        ttx_tutorial.linear_attention_step(**arguments)
+    if "feature_map" not in change:  # the kernel file's own entry says the same
+        with torch.no_grad(), pytest.raises(error, match=words):
+            step.step_update(**arguments)
+
+
+def test_a_device_the_interpreter_does_not_run_on_is_named():
+    if ttx_tutorial.on_gpu():
+        pytest.skip("in GPU mode CPU tensors take the PyTorch path")
+    arguments = bad_inputs()
+    with torch.no_grad(), pytest.raises(ValueError, match="state must be on the same device as q"):
+        step.step_update(**{**arguments, "state": arguments["state"].to("meta")})
+
+
+def test_training_is_refused_with_a_pointer_to_the_parallel_forward():
+    arguments = bad_inputs()
+    leaf = arguments["q"].clone().requires_grad_()
+    for function in (ttx_tutorial.linear_attention_step, step.step_update):
+        with pytest.raises(RuntimeError, match="inference only.*causal_linear_attention"):
+            function(**{**arguments, "q": leaf})
+    with pytest.raises(RuntimeError, match="inference only"):  # the PyTorch path too
+        ttx_tutorial.linear_attention_step(**{**{n: x.double() for n, x in arguments.items() if n != "state"},
+                                              "q": leaf.double(), "state": arguments["state"]})
+    layer = ttx_tutorial.CausalLinearAttention(16, 2).to(ttx_tutorial.DEVICE)
+    with pytest.raises(RuntimeError, match="inference only"):  # its weights require grad
+        layer.step(torch.randn(2, 16, device=ttx_tutorial.DEVICE), layer.initial_state(2))
+    with torch.no_grad():  # the same calls without autograd run
+        ttx_tutorial.linear_attention_step(**{**arguments, "q": leaf})
+        layer.step(torch.randn(2, 16, device=ttx_tutorial.DEVICE), layer.initial_state(2))
+
+
+def test_checks_skipped_for_a_known_signature_still_see_what_changes():
+    """The second call of a signature skips the full checks, not contiguity or autograd."""
+    arguments = bad_inputs()
+    with torch.no_grad():
+        ttx_tutorial.linear_attention_step(**arguments)
+        strided = torch.zeros(2, 3, 5, 8, device=ttx_tutorial.DEVICE).mT
+        assert strided.shape == arguments["state"].shape
+        with pytest.raises(ValueError, match="state must be contiguous"):
+            ttx_tutorial.linear_attention_step(**{**arguments, "state": strided})
+    with pytest.raises(RuntimeError, match="inference only"):
+        ttx_tutorial.linear_attention_step(**{**arguments, "v": arguments["v"].clone().requires_grad_()})
+
+
+# --------------------------------------------------------------------------- GPU compilation
+
+def recorded_launches(calls):
+    """The launches the wrapper makes for ``calls`` (thunks), recorded, none executed; the
+    interpreter switch is off meanwhile so that the wrapper chooses as on a GPU."""
+    import triton
+
+    launches = []
+
+    def record(*args, grid, warmup, **kwargs):
+        values = dict(zip(step.step_kernel.arg_names, args))
+        launches.append({**values, **kwargs})
+
+    step.step_kernel.run = record
+    interpreting = triton.knobs.runtime.interpret
+    triton.knobs.runtime.interpret = False
+    try:
+        for call in calls:
+            call()
+    finally:
+        triton.knobs.runtime.interpret = interpreting
+        del step.step_kernel.run
+    return launches
+
+
+def test_launch_variants_cover_every_launch():
+    pointer_types = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+    variants = step.launch_variants()
+    calls = []
+    for dtype in DTYPES:
+        for feature in step.FEATURE_MAPS:
+            for normalize in (True, False):
+                for D, E in ((1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (256, 1), (3, 256)):
+                    q, k, v, state = token_inputs(2, 3, D, E, dtype, normalize)
+                    calls.append(lambda q=q, k=k, v=v, state=state, f=feature, n=normalize:
+                                 step._launch(q, k, v, state, f, n, 1e-6))
+    launches = recorded_launches(calls)
+    assert len(launches) == len(calls)
+    missing = []
+    for launch in launches:
+        matched = any(
+            all(launch[name] == value for name, value in variant["constexprs"].items())
+            and launch.get("num_warps", 4) == variant["num_warps"] and launch.get("num_stages", 3) == variant["num_stages"]
+            and all(pointer_types[launch[name].dtype] == kind for name, kind in variant["signature"].items()
+                    if kind.startswith("*"))
+            for variant in variants)
+        if not matched:
+            missing.append({name: launch[name] for name in ("FEATURE_MAP", "NORMALIZE", "BLOCK_D", "BLOCK_E")})
+    assert not missing, f"launches missing from launch_variants(): {missing[:5]}"
+
+
+_COMPILE_CHILD = r"""
+import json, sys
+import ttx_tutorial
+from ttx_tutorial.course import compiler
+from ttx_tutorial.kernels import step
+shard, shards, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+variants = step.launch_variants()
+results = []
+for index, target in [(i, t) for i in range(len(variants)) for t in targets][shard::shards]:
+    variant = variants[index]
+    result = compiler.compile_variant(variant, target=target)
+    results.append({"variant": f"{variant['constexprs']} {variant['signature']['q_ptr']}", "target": target,
+                    "ok": result.ok, "message": result.message, "shared": result.shared_bytes,
+                    "limit": compiler.target_facts(target).max_shared_bytes_per_block})
+if shard == 0:  # the launcher makes integer arguments equal to 1 constants: the most folded launch
+    variant = variants[0]
+    signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
+    for name, kind in variant["signature"].items():
+        if kind == "i32":
+            signature[name], constexprs[name] = "constexpr", 1
+    result = compiler.compile_for_target(step.step_kernel, signature, constexprs, target="sm_90",
+                                         num_warps=variant["num_warps"], num_stages=variant["num_stages"])
+    results.append({"variant": "integers as constants", "target": "sm_90", "ok": result.ok,
+                    "message": result.message, "shared": 0, "limit": 1})
+print(json.dumps(results))
+"""
+
+
+def test_every_launch_variant_compiles_for_sm80_and_sm90():
+    """The interpreter accepts code a GPU refuses: compile each variant for real targets, in child
+    processes with the interpreter off (as tests/test_compile_targets.py does), one per CPU core
+    (``TTX_COMPILE_JOBS``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TTX_TUTORIAL_DEVICE": "cuda",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    jobs = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
+    children = [subprocess.Popen([sys.executable, "-c", _COMPILE_CHILD, str(shard), str(jobs), "sm_80", "sm_90"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                for shard in range(jobs)]
+    results = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=1800)
+        assert child.returncode == 0, stderr[-4000:]
+        results += json.loads(stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(step.launch_variants()) + 1
+    failures = [f"{r['variant']} on {r['target']}: {r['message']}" for r in results if not r["ok"]]
+    assert not failures, "\n".join(failures[:5])
+    too_big = [r for r in results if r["shared"] > r["limit"]]
+    assert not too_big, f"shared memory over the per-block limit: {too_big[:3]}"
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+def test_gpu_step_replays_from_a_cuda_graph_at_the_generation_shape():
+    q, k, v, state = token_inputs(8, 16, 64, 64, torch.bfloat16, True)
+    eager_state = state.clone()
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compiles and warms up outside the capture
+            ttx_tutorial.linear_attention_step(q, k, v, state.clone())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the step; runs nothing
+            out = ttx_tutorial.linear_attention_step(q, k, v, state)
+        for token in range(3):  # each replay advances the captured state by one token
+            expected_out, expected_state = step64(q, k, v, eager_state, FEATURES["elu"], True, 1e-6)
+            graph.replay()
+            eager_out = ttx_tutorial.linear_attention_step(q, k, v, eager_state)
+            assert torch.equal(out, eager_out), f"replay {token} differs from the eager call"
+            assert torch.equal(state, eager_state), f"state after replay {token}"
+            assert_close(out, expected_out, torch.bfloat16, f"replay {token}")
+            assert_close(state, expected_state, torch.float32, f"state after replay {token}")

@@ -1,0 +1,332 @@
+"""One token of causal linear attention in one launch: the generation step of an RNN-style decoder.
+
+Algorithm
+    The recurrence of Katharopoulos et al., "Transformers are RNNs" (ICML 2020), advanced by
+    one token, with the feature map phi applied inside the kernel::
+
+        S <- S + phi(k) v^T            (D x E)         z <- z + phi(k)          (D)
+        o  = phi(q)^T S / (phi(q)^T z + eps)           (normalize)
+        o  = phi(q)^T S                                (not normalize)
+
+    eps is added once, to the finished denominator. One program owns one (batch, head) pair and
+    one block of value columns; it walks D in blocks of ``BLOCK_D`` rows, adds the outer product
+    to its rows of the state in place, and sums the rows' contributions to o in float32. No
+    ``tl.dot``: one query row would waste the tensor cores. z is shared by every value column,
+    so when normalising one program covers all of E: programs of other value blocks could read
+    z after it had been updated, and nothing orders programs within a launch.
+
+Shapes and layouts
+    q, k: (B, H, D); v: (B, H, E); any strides. state: (B, H, D, E + 1) float32 with z as the
+    last column when normalising, (B, H, D, E) otherwise; contiguous, since it is written in
+    place (an expanded or overlapping view would have several heads add into one element).
+    o: (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit.
+
+Feature maps (``FEATURE_MAP``, a constexpr)
+    "elu" (elu(x) + 1, computed as x + 1 for x > 0 and exp(x) otherwise), "relu", "identity";
+    computed in float32 from the loaded inputs. Other maps are applied by the caller, who then
+    passes "identity".
+
+Dtypes
+    q, k, v: one of float32, float16, bfloat16; the state and every sum float32.
+
+Scope
+    Inference only: the state is updated in place and there is no backward, so
+    ``step_update`` refuses inputs that autograd would need a gradient for; training runs the
+    whole sequence through a causal product. The contract's ``<family>_causal_product``,
+    ``_run_validated`` over (q, k, v, initial_state) and its ``torch.autograd.Function`` do
+    not apply; the entry is ``step_update``. No tuning config: one launch per token of a few
+    kilobytes per head, whose cost is the launch itself.
+
+Tested
+    Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_80 and sm_90 without a
+    GPU with Triton 3.9 (``tests/test_step.py``); written for Triton 3.6 on an H200.
+
+Fragile
+    * The host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
+      ``step_update`` runs the full checks once per signature of its arguments (shapes, dtypes,
+      devices, options) and only what can change between calls of one signature (contiguity of
+      the state, autograd) every time. Capture the step in a CUDA graph to remove the host.
+    * Under the interpreter every call of a library ``@triton.jit`` function (``tl.sum``,
+      ``tl.zeros``) re-patches triton.language, a large part of a CPU-mode step: the kernel
+      calls ``tl.sum`` twice and no helper of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def step_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, D), (B, H, D), (B, H, E), (B, H, E) contiguous
+    state_ptr,  # (B, H, D, E + NORMALIZE) float32, contiguous; updated in place
+    H, D, E,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kd,
+    stride_vb, stride_vh, stride_ve,
+    eps,  # added to phi(q)^T z; unused unless NORMALIZE
+    FEATURE_MAP: tl.constexpr,  # "elu", "relu" or "identity"
+    NORMALIZE: tl.constexpr,  # z is the state's last column; one value block covers E
+    BLOCK_D: tl.constexpr,  # state rows per iteration (power of two)
+    BLOCK_E: tl.constexpr,  # value columns per program (power of two)
+):
+    # One flat grid, value block fastest (as in the causal-product kernels).
+    num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+    pid_e = tl.program_id(0) % num_e_blocks
+    pid_bh = (tl.program_id(0) // num_e_blocks).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    state_cols = E
+    if NORMALIZE:
+        state_cols = E + 1
+
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    b_v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_e.to(tl.int64) * stride_ve,
+                  mask=mask_e, other=0.0).to(tl.float32)
+    state_head_ptr = state_ptr + pid_bh * D * state_cols
+    # tl.full, not tl.zeros: see "Fragile" on the interpreter.
+    b_numerator = tl.full([BLOCK_E], 0.0, tl.float32)
+    b_denominator = tl.full([BLOCK_D], 0.0, tl.float32)  # summed over D after the loop
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        offs_d64 = offs_d.to(tl.int64)
+        b_q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d64 * stride_qd, mask=mask_d, other=0.0)
+        b_k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d64 * stride_kd, mask=mask_d, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+        # phi, written here rather than in a helper (see "Fragile" on the interpreter).
+        if FEATURE_MAP == "elu":  # elu(x) + 1, without the cancellation of (exp(x) - 1) + 1
+            b_q = tl.where(b_q > 0, b_q + 1.0, tl.exp(b_q))
+            b_k = tl.where(b_k > 0, b_k + 1.0, tl.exp(b_k))
+        elif FEATURE_MAP == "relu":
+            b_q = tl.maximum(b_q, 0.0)
+            b_k = tl.maximum(b_k, 0.0)
+        # Padded rows (d >= D) load as 0, which elu + 1 maps to 1: zeroing phi(k) there keeps
+        # those rows of the tile zero (their state loads as 0), so phi(q) needs no mask.
+        b_k = tl.where(mask_d, b_k, 0.0)
+        state_row_ptr = state_head_ptr + offs_d64 * state_cols
+        mask_s = mask_d[:, None] & mask_e[None, :]
+        s_tile_ptr = state_row_ptr[:, None] + offs_e[None, :]
+        b_s = tl.load(s_tile_ptr, mask=mask_s, other=0.0) + b_k[:, None] * b_v[None, :]
+        tl.store(s_tile_ptr, b_s, mask=mask_s)
+        b_numerator += tl.sum(b_s * b_q[:, None], axis=0)
+        if NORMALIZE:
+            b_z = tl.load(state_row_ptr + E, mask=mask_d, other=0.0) + b_k
+            tl.store(state_row_ptr + E, b_z, mask=mask_d)
+            b_denominator += b_z * b_q
+    b_o = b_numerator
+    if NORMALIZE:
+        b_o = b_numerator / (tl.sum(b_denominator, axis=0) + eps)
+    tl.store(o_ptr + pid_bh * E + offs_e, b_o.to(o_ptr.dtype.element_ty), mask=mask_e)
+
+
+# --------------------------------------------------------------------------- host side
+
+#: Feature maps the kernel computes itself.
+FEATURE_MAPS = ("elu", "relu", "identity")
+#: The largest head dimension (D and E) the kernel takes.
+MAX_HEAD_DIM = 256
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# State elements a program holds per iteration: 32 float32 registers a thread with 4 warps.
+_TILE_ELEMENTS = 4096
+_NUM_WARPS = 4
+
+
+def default_config(D: int, E: int, normalize: bool) -> dict:
+    """Block sizes and warps: the whole of E in one program when normalising (z is shared, see
+    the module docstring), else at most 32 columns a program, so that (batch, head) pairs give
+    several programs each; BLOCK_D fills a tile of 4096 state elements (rows past D masked)."""
+    largest_e = max(16, triton.next_power_of_2(E))
+    block_e = largest_e if normalize else min(32, largest_e)
+    return {"BLOCK_D": _TILE_ELEMENTS // block_e, "BLOCK_E": block_e, "num_warps": _NUM_WARPS}
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(B: int, H: int, D: int, E: int, normalize: bool) -> tuple:
+    """(grid, BLOCK_D, BLOCK_E, num_warps) for one shape: computed once, a tuple so that the
+    cached value cannot be modified."""
+    cfg = default_config(D, E, normalize)
+    grid = (B * H * triton.cdiv(E, cfg["BLOCK_E"]),)
+    return grid, cfg["BLOCK_D"], cfg["BLOCK_E"], cfg["num_warps"]
+
+
+def _launch(q, k, v, state, feature_map, normalize, eps):
+    """One launch: updates ``state`` in place and returns o (B, H, E) in the dtype of q."""
+    B, H, D = q.shape
+    E = v.shape[-1]
+    grid, block_d, block_e, num_warps = _launch_plan(B, H, D, E, normalize)
+    o = torch.empty((B, H, E), dtype=q.dtype, device=q.device)
+    if B * H == 0:
+        return o
+    with _launch_guard():
+        step_kernel[grid](
+            q, k, v, o, state, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d, BLOCK_E=block_e,
+            num_warps=num_warps,
+        )
+    return o
+
+
+# Input checks, with the same wording as the causal-product kernel files.
+
+def _check_dense(name, x):
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; pad it first")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        "convert it with .to_dense()")
+
+
+def check_inputs(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
+    """A TypeError or ValueError naming the argument and the limit for any input the kernel cannot
+    take: q, k (B, H, D) and v (B, H, E) dense, of one dtype of float32/float16/bfloat16, on the
+    GPU (the CPU under TRITON_INTERPRET=1), 1 <= D, E <= MAX_HEAD_DIM; state a contiguous float32
+    (B, H, D, E + 1) tensor when normalising, (B, H, D, E) otherwise, on their device;
+    feature_map one of FEATURE_MAPS; normalize a bool; eps a finite float >= 0. A RuntimeError
+    when autograd would need a gradient (the step is inference only)."""
+    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS} (apply others before the step and "
+                         f"pass 'identity'), got {feature_map!r}")
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0 and eps != float("inf")):  # also false for NaN
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense(name, x)
+    for name, x, hint in (("q", q, "(B, H, D)"), ("k", k, "(B, H, D)"), ("v", v, "(B, H, E)")):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions {hint} for one token, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape (B, H, D), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must share B and H with q: v is {tuple(v.shape)} (B, H, E), q is {tuple(q.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+                        "convert them first, e.g. k.to(q.dtype)")
+    if q.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"the step kernel supports dtypes float32, float16, bfloat16; q, k, v are {q.dtype}")
+    expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    if q.device.type != expected_device:
+        where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        raise ValueError(f"the step kernel runs on {where} in this session, so q, k, v and state must be on "
+                         f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})")
+    D, E = q.shape[-1], v.shape[-1]
+    if D < 1 or E < 1:
+        raise ValueError(f"D and E must be at least 1, got D={D} (q, k) and E={E} (v)")
+    if D > MAX_HEAD_DIM or E > MAX_HEAD_DIM:
+        raise ValueError(f"the step kernel supports D and E up to {MAX_HEAD_DIM}; got D={D} (q, k) and E={E} (v)")
+    expected = (*q.shape[:2], D, E + 1) if normalize else (*q.shape[:2], D, E)
+    layout = "(B, H, D, E + 1) with z as its last column" if normalize else "(B, H, D, E)"
+    if tuple(state.shape) != expected:
+        raise ValueError(f"state must have shape {layout} = {expected} (normalize={normalize}), "
+                         f"got {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise TypeError(f"state must be float32, got {state.dtype}")
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous: it is updated in place; make it once with "
+                         ".contiguous() and keep passing that tensor")
+    _check_no_gradient(q, k, v, state)
+
+
+def _check_no_gradient(q, k, v, state):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or state.requires_grad):
+        raise RuntimeError(
+            "the generation step is inference only (it updates the state in place and has no backward), "
+            "but an input requires grad: call it under torch.no_grad() or torch.inference_mode(), and "
+            "train on whole sequences with ttx_tutorial.causal_linear_attention")
+
+
+_INTERPRETER_LOCK_NAME = "serial_launch_lock"
+
+
+def _launch_guard():
+    """Triton's interpreter swaps triton.language's functions for its own while a kernel runs, so
+    two threads interpreting at once break each other's launches. Under the interpreter every
+    launch therefore holds one process-wide lock, kept on Triton's interpreter module so that every
+    kernel file (and any copy of one) shares it; on a GPU launches go ahead unserialised."""
+    if not triton.knobs.runtime.interpret:
+        return contextlib.nullcontext()
+    from triton.runtime import interpreter
+    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+
+
+# Signatures of arguments that check_inputs accepted. A generation loop passes the same shapes
+# token after token, and the full checks cost several times the rest of the host's work.
+_ACCEPTED: set = set()
+_MAX_ACCEPTED = 1024
+
+
+def _check_inputs_cached(q, k, v, state, feature_map, normalize, eps):
+    """``check_inputs``, run in full only for a signature (shapes, dtypes, devices, options) not
+    accepted before; what can differ between calls of one signature is checked every time."""
+    signature = None
+    # Written out, not a loop: this runs at every token. Nested tensors have no plain shape.
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and type(state) is torch.Tensor
+            and not (q.is_nested or k.is_nested or v.is_nested or state.is_nested)):
+        signature = (q.shape, k.shape, v.shape, state.shape, q.dtype, k.dtype, v.dtype, state.dtype,
+                     q.layout, k.layout, v.layout, state.layout, q.device, k.device, v.device,
+                     state.device, feature_map, normalize, eps)
+        if signature in _ACCEPTED and state.is_contiguous():
+            _check_no_gradient(q, k, v, state)
+            return
+    check_inputs(q, k, v, state, feature_map=feature_map, normalize=normalize, eps=eps)
+    if signature is not None:
+        if len(_ACCEPTED) >= _MAX_ACCEPTED:
+            _ACCEPTED.clear()
+        _ACCEPTED.add(signature)
+
+
+def step_update(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
+    """One token: adds phi(k) [v, 1]^T (phi(k) v^T without ``normalize``) to ``state`` in place and
+    returns o (B, H, E) in the dtype of q: phi(q)^T S / (phi(q)^T z + eps), or phi(q)^T S.
+    q, k: (B, H, D); v: (B, H, E); state: see ``check_inputs``. Inference only."""
+    _check_inputs_cached(q, k, v, state, feature_map, normalize, eps)
+    return _launch(q, k, v, state, feature_map, normalize, float(eps))
+
+
+def _signature(dtype: torch.dtype) -> dict:
+    tensor = "*" + _TRITON_DTYPES[dtype]
+    signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": tensor, "state_ptr": "*fp32"}
+    scalars = ["H", "D", "E", *(f"stride_{x}{axis}" for x, last in (("q", "d"), ("k", "d"), ("v", "e"))
+                                for axis in ("b", "h", last))]
+    signature.update({name: "i32" for name in scalars})
+    signature["eps"] = "fp32"
+    signature.update({name: "constexpr" for name in ("FEATURE_MAP", "NORMALIZE", "BLOCK_D", "BLOCK_E")})
+    return signature
+
+
+def launch_variants():
+    """Every kernel launch the wrapper can make: a list of dicts
+    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
+     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
+    covering each dtype, feature map, normalize and block size the rule can choose."""
+    variants = []
+    for dtype in _TRITON_DTYPES:
+        for feature_map in FEATURE_MAPS:
+            for normalize in (True, False):
+                for head_dim in (16, 32, 64, 128, 256):  # every power-of-two BLOCK_E the rule can pick
+                    cfg = default_config(head_dim, head_dim, normalize)
+                    variant = {"kernel": step_kernel, "signature": _signature(dtype),
+                               "constexprs": {"FEATURE_MAP": feature_map, "NORMALIZE": normalize,
+                                              "BLOCK_D": cfg["BLOCK_D"], "BLOCK_E": cfg["BLOCK_E"]},
+                               "num_warps": cfg["num_warps"], "num_stages": 3}
+                    if variant not in variants:
+                        variants.append(variant)
+    return variants
