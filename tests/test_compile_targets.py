@@ -40,7 +40,7 @@ from ttx_tutorial import testing
 CHILD_TIMEOUT_S = 3600
 
 #: Kernel families, by the file under ttx_tutorial/kernels/ that holds them.
-FAMILIES = ("recurrent", "chunked", "scan")
+FAMILIES = ("recurrent", "chunked", "scan", "step")
 
 #: The device limits the wrappers see while their launches are recorded, (multiprocessors,
 #: shared memory per block opt-in), and the target those launches are compiled for.
@@ -71,8 +71,10 @@ def launched_kernels(module) -> dict:
 # --------------------------------------------------------------------------- the grid of calls
 
 def wrapper_calls(module):
-    """(call, thunk) pairs: each thunk runs the file's entry for checked inputs once, forward and
-    backward, at one point of the grid; ``call`` describes that point."""
+    """(call, thunk) pairs: each thunk runs the file's entry for checked inputs once (forward and
+    backward for the causal products) at one point of the grid; ``call`` describes that point."""
+    if module.__name__.endswith(".step"):
+        return step_calls(module)
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True):
@@ -96,6 +98,25 @@ def wrapper_calls(module):
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):
             add(2, 4, 3000, head_dim, head_dim, torch.bfloat16, config=dict(candidate))
+    return calls
+
+
+def step_calls(step):
+    """The generation step: one token per call, every feature map, with and without the normaliser."""
+    calls = []
+    for dtype in DTYPES:
+        for feature_map in step.FEATURE_MAPS:
+            for normalize in (True, False):
+                for D, E in COVERAGE_HEAD_DIMS:
+                    for B, H in ((1, 1), (8, 16)):
+                        def thunk(B=B, H=H, D=D, E=E, dtype=dtype, feature_map=feature_map, normalize=normalize):
+                            q, k = torch.zeros(B, H, D, dtype=dtype), torch.zeros(B, H, D, dtype=dtype)
+                            v = torch.zeros(B, H, E, dtype=dtype)
+                            state = torch.zeros(B, H, D, E + normalize)
+                            step._launch(q, k, v, state, feature_map, normalize, 1e-6)
+                        call = {"shape": [B, H, 1, D, E], "dtype": str(dtype).removeprefix("torch."),
+                                "config": None, "feature_map": feature_map, "normalize": normalize}
+                        calls.append((call, thunk))
     return calls
 
 
@@ -145,7 +166,8 @@ def selected_launches(family, target):
     module = kernel_module(family)
     kernels = launched_kernels(module)
     limits = DEVICE_LIMITS[target]
-    module._device_limits = lambda device: limits
+    if hasattr(module, "_device_limits"):  # only files whose rules ask the driver have one
+        module._device_limits = lambda device: limits
     most_aligned, most_constant = {}, {}
     for call, thunk in wrapper_calls(module):
         with LaunchRecorder(kernels) as recorder:
