@@ -1,27 +1,30 @@
-"""Every Triton kernel the package can launch, compiled for real GPUs, on any machine.
+"""Every kernel launch the package makes, compiled for real GPUs, on any machine.
 
 Triton's CPU interpreter accepts code that the GPU compiler refuses (a ``tl.dot`` on a block
-smaller than 16, a shape it cannot lay out, too much shared memory). So each entry of every
-kernel file's ``launch_variants()`` (docs/CONTRIBUTING.md) is compiled here for sm_80 (A100) and
-sm_90 (H100/H200) with ``ttx_tutorial.course.compiler``: ``triton.compile`` with a ``GPUTarget``, the
-whole pipeline down to ``ptxas``, no GPU needed. Each compiled kernel's shared memory must fit
-the target's per-block limit.
+smaller than 16, a shape it cannot lay out, too much shared memory, an integer argument that the
+GPU launcher turns into a constant). So here the wrappers of every Triton method run over a grid
+of shapes, dtypes, head dimensions, initial states and the kernel file's ``TUNING_CANDIDATES``,
+forward and backward, with every launch recorded instead of executed; and each distinct launch
+is compiled with the arguments the wrapper really passed, by
+``ttx_tutorial.course.compiler.compile_launch``: Triton's own launcher binds them, so the
+argument types, the integers specialised to constants and the alignment hints are those of a
+GPU run, down to ``ptxas``. No GPU is needed.
 
-The compiles run in child processes with ``TRITON_INTERPRET=0``, so the kernels are the real
-``JITFunction``s a GPU run would build, and nothing the interpreter patches while other tests run
-can leak into the compiler. Each family's variants are compiled once, split over
-``TTX_COMPILE_JOBS`` children (default: one per CPU core), and the results are shared by that
-family's parametrized cases. Triton's on-disk cache makes later runs fast.
+The wrappers choose their configurations from the device's limits (``_device_limits`` of each
+kernel file: multiprocessors and shared memory per block), so the launches are recorded once
+with an A100's limits, compiled for sm_80, and once with an H100's, compiled for sm_90. Each
+compiled kernel must fit its target's shared memory. A few launches must also compile to the
+instructions their speed depends on (``EXPECTED_INSTRUCTIONS``).
 
-A second test checks ``launch_variants()`` against the wrappers themselves: every launch a
-wrapper makes (forward and backward, over dtypes, head dimensions and lengths, and with the
-file's ``TUNING_CANDIDATES`` for bfloat16) must be one of the listed variants, or CI would
-compile something other than what runs.
+Recording and compiling run in child processes with ``TRITON_INTERPRET=0``, so the kernels are
+the ``JITFunction``s a GPU run would build and nothing the interpreter patches can leak into the
+compiler; each (family, target) is split over ``TTX_COMPILE_JOBS`` children (default: one per
+CPU core). Triton's on-disk cache makes later runs fast.
 """
 
 from __future__ import annotations
 
-import inspect
+import importlib
 import json
 import os
 import subprocess
@@ -31,252 +34,263 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
-import ttx_tutorial
-from triton.runtime.jit import KernelInterface
+from ttx_tutorial import testing
 
-TARGETS = ("sm_80", "sm_90")
-TRITON_METHODS = tuple(m for m in ttx_tutorial.METHODS if ttx_tutorial.method_info(m).is_triton)
-ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 3600
 
+#: Kernel families, by the file under ttx_tutorial/kernels/ that holds them.
+FAMILIES = ("recurrent", "chunked", "scan", "step")
 
-def kernel_module(method):
-    return inspect.getmodule(ttx_tutorial.method_info(method).function)
-
-
-def kernel_name(kernel) -> str:
-    return getattr(kernel, "fn", kernel).__name__
-
-
-def variant_label(variant) -> str:
-    """kernel, dtype (its first pointer's), constexprs, warps and stages: unique within a family."""
-    pointers = [t for t in variant["signature"].values() if t.startswith("*")]
-    dtype = pointers[0].lstrip("*") if pointers else "noptr"
-    constexprs = ",".join(f"{name}={value}" for name, value in variant["constexprs"].items())
-    return (f"{kernel_name(variant['kernel'])}-{dtype}-{constexprs}"
-            f"-w{variant['num_warps']}s{variant['num_stages']}")
-
-
-def compile_cases():
-    """(method, variant index, label, target) for every variant; a family whose module or
-    launch_variants() fails gives one case that reports the failure."""
-    cases = []
-    for method in TRITON_METHODS:
-        try:
-            labels = [variant_label(v) for v in kernel_module(method).launch_variants()]
-        except Exception as error:  # reported by the test, not as a collection error
-            cases.append(pytest.param(method, None, repr(error), None, id=f"{method}-launch_variants-failed"))
-            continue
-        for index, label in enumerate(labels):
-            for target in TARGETS:
-                cases.append(pytest.param(method, index, label, target, id=f"{method}-{label}-{target}"))
-    return cases
-
+#: The device limits the wrappers see while their launches are recorded, (multiprocessors,
+#: shared memory per block opt-in), and the target those launches are compiled for.
+DEVICE_LIMITS = {"sm_80": (108, 166912),   # A100
+                 "sm_90": (132, 232448)}   # H100, H200
 
 #: Compile children run side by side (``TTX_COMPILE_JOBS``, default: one per CPU core).
 JOBS = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
 
-_RESULTS: dict[str, list[dict] | str] = {}  # method -> its results, or why its children failed
+COVERAGE_HEAD_DIMS = [(1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (1, 256), (256, 1),
+                      (200, 256), (256, 256)]
+COVERAGE_SHAPES = [(1, 1, 1), (1, 1, 100), (2, 3, 777), (4, 16, 5000)]  # (B, H, T)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def run_compile_child(method, shard, shards) -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, __file__, method, str(shard), str(shards), *TARGETS],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=CHILD_TIMEOUT_S)
-    assert child.returncode == 0, f"compiling {method}'s launch variants crashed:\n{child.stderr[-4000:]}"
-    return json.loads(child.stdout.strip().splitlines()[-1])
+def kernel_module(family):
+    return importlib.import_module(f"ttx_tutorial.kernels.{family}")
 
 
-def compile_family(method) -> list[dict]:
-    """All variants of one family compiled for every target, once, by JOBS child processes.
-    A failure of the children is remembered too, so that it is reported, not retried, by each
-    of the family's cases."""
-    if method not in _RESULTS:
-        try:
-            with ThreadPoolExecutor(JOBS) as pool:
-                shards = list(pool.map(lambda shard: run_compile_child(method, shard, JOBS), range(JOBS)))
-            _RESULTS[method] = [result for shard in shards for result in shard]
-        except (AssertionError, subprocess.SubprocessError, ValueError) as error:
-            _RESULTS[method] = f"{type(error).__name__}: {error}"
-    if isinstance(_RESULTS[method], str):
-        pytest.fail(_RESULTS[method])
-    return _RESULTS[method]
+def launched_kernels(module) -> dict:
+    """The module's kernels that the host launches: every ``@triton.jit`` named ``*_kernel``."""
+    from triton.runtime.jit import KernelInterface
+
+    return {name: obj for name, obj in vars(module).items()
+            if isinstance(obj, KernelInterface) and name.endswith("_kernel")}
 
 
-@pytest.mark.parametrize("method, index, label, target", compile_cases())
-def test_launch_variant_compiles_for_gpu_target(method, index, label, target):
-    assert index is not None, f"{method}: importing its module or calling launch_variants() failed: {label}"
-    results = [r for r in compile_family(method) if r["index"] == index and r["target"] == target]
-    assert len(results) == 1, f"the compile child returned {len(results)} results for {label} on {target}"
-    result = results[0]
-    assert result["label"] == label, f"launch_variants() changed order: {result['label']} != {label}"
-    assert result["ok"], f"{method} {label} does not compile for {target}: {result['message']}"
-    assert result["shared_bytes"] <= result["limit"], (
-        f"{method} {label} needs {result['shared_bytes']} bytes of shared memory on {target}, "
-        f"more than the {result['limit']} one block may use: it would fail at launch"
-    )
+# --------------------------------------------------------------------------- the grid of calls
+
+def wrapper_calls(module):
+    """(call, thunk) pairs: each thunk runs the file's entry for checked inputs once (forward and
+    backward for the causal products) at one point of the grid; ``call`` describes that point."""
+    if module.__name__.endswith(".step"):
+        return step_calls(module)
+    calls = []
+
+    def add(B, H, T, D, E, dtype, config=None, with_state=True):
+        def thunk():
+            q = torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True)
+            k = torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True)
+            v = torch.zeros(B, H, T, E, dtype=dtype, requires_grad=True)
+            s0 = torch.zeros(B, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
+            o, state = module._run_validated(q, k, v, s0, config=config)
+            torch.autograd.backward((o, state), (torch.zeros_like(o), torch.zeros_like(state)))
+        call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
+                "initial_state": with_state}
+        calls.append((call, thunk))
+
+    for dtype in DTYPES:
+        for D, E in COVERAGE_HEAD_DIMS:
+            for B, H, T in COVERAGE_SHAPES:
+                if B * H * T * max(D, E) <= 2_000_000:
+                    add(B, H, T, D, E, dtype, with_state=(T != 100))
+    # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
+    for candidate in module.TUNING_CANDIDATES:
+        for head_dim in (64, 128):
+            add(2, 4, 3000, head_dim, head_dim, torch.bfloat16, config=dict(candidate))
+    return calls
 
 
-# --------------------------------------------------------------------------- coverage
-
-_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-_TENSOR_POINTER_TYPES = {**_POINTER_TYPES, torch.int32: "*i32"}  # int32: counters, never an input
-# What Triton compiles when the launch names no num_warps / num_stages (CUDA backend defaults).
-_DEFAULT_LAUNCH = {"num_warps": 4, "num_stages": 3}
+def step_calls(step):
+    """The generation step: one token per call, every feature map, with and without the normaliser."""
+    calls = []
+    for dtype in DTYPES:
+        for feature_map in step.FEATURE_MAPS:
+            for normalize in (True, False):
+                for D, E in COVERAGE_HEAD_DIMS:
+                    for B, H in ((1, 1), (8, 16)):
+                        def thunk(B=B, H=H, D=D, E=E, dtype=dtype, feature_map=feature_map, normalize=normalize):
+                            q, k = torch.zeros(B, H, D, dtype=dtype), torch.zeros(B, H, D, dtype=dtype)
+                            v = torch.zeros(B, H, E, dtype=dtype)
+                            state = torch.zeros(B, H, D, E + normalize)
+                            step._launch(q, k, v, state, feature_map, normalize, 1e-6)
+                        call = {"shape": [B, H, 1, D, E], "dtype": str(dtype).removeprefix("torch."),
+                                "config": None, "feature_map": feature_map, "normalize": normalize}
+                        calls.append((call, thunk))
+    return calls
 
 
 class LaunchRecorder:
-    """Replaces ``run`` on every kernel in ``kernels``: records each launch, executes none.
+    """Replaces ``run`` on each kernel: records every launch's arguments, executes none.
 
-    ``kernel[grid](*args, **kwargs)`` calls ``kernel.run(*args, grid=..., warmup=..., **kwargs)``
-    on both JITFunction and the interpreter's InterpretedFunction, so an instance attribute
-    ``run`` sees every launch. Nothing runs, so the sizes below cost only their allocation, and
-    Triton's interpreter switch is off meanwhile, so the launches are those a GPU run would make
-    (except where a wrapper asks the tensors' device).
+    ``kernel[grid](*args, **kwargs)`` calls ``kernel.run(*args, grid=..., warmup=..., **kwargs)``,
+    so an instance attribute ``run`` sees every launch. Nothing runs, so the sizes of the grid
+    cost only their allocation.
     """
 
     def __init__(self, kernels):
         self.kernels = kernels
-        self.launches = []
+        self.launches = []  # (kernel name, args, kwargs)
 
     def __enter__(self):
-        for kernel in self.kernels:
-            kernel.run = self._recorder(kernel)
-        # Wrappers may pick constexprs by asking whether Triton interprets; nothing executes
-        # here, so let them choose as they would on a GPU.
-        self.interpreting = triton.knobs.runtime.interpret
-        triton.knobs.runtime.interpret = False
+        for name, kernel in self.kernels.items():
+            kernel.run = self._recorder(name)
         return self
 
     def __exit__(self, *exc):
-        triton.knobs.runtime.interpret = self.interpreting
-        for kernel in self.kernels:
+        for kernel in self.kernels.values():
             del kernel.run
 
-    def _recorder(self, kernel):
+    def _recorder(self, name):
         def run(*args, grid, warmup, **kwargs):
-            if warmup:
-                return None
-            values = dict(zip(kernel.arg_names, args))
-            values.update(kwargs)
-            self.launches.append((kernel, values))
-            return None
+            if not warmup:
+                self.launches.append((name, args, kwargs))
         return run
-
-
-def launch_matches(values, variant) -> bool:
-    for name, kind in variant["signature"].items():
-        if name not in values:
-            return False
-        value = values[name]
-        if kind == "constexpr":
-            if value != variant["constexprs"][name]:
-                return False
-        elif kind.startswith("*") and value is not None:  # None: an unused pointer
-            if not isinstance(value, torch.Tensor) or _TENSOR_POINTER_TYPES.get(value.dtype) != kind:
-                return False
-    launch = {key: values.get(key, default) for key, default in _DEFAULT_LAUNCH.items()}
-    return launch == {key: variant[key] for key in _DEFAULT_LAUNCH}
-
-
-def describe_launch(kernel, values, variants) -> str:
-    """The kernel with what decides its compilation: pointer dtypes, constexprs, warps, stages."""
-    constexpr_names = {name for v in variants if v["kernel"] is kernel
-                       for name, kind in v["signature"].items() if kind == "constexpr"}
-    shown = {}
-    for name, value in values.items():
-        if isinstance(value, torch.Tensor):
-            shown[name] = _TENSOR_POINTER_TYPES.get(value.dtype, str(value.dtype))
-        elif name in constexpr_names or not constexpr_names:
-            shown[name] = value
-    shown.update({key: values.get(key, default) for key, default in _DEFAULT_LAUNCH.items()})
-    return f"{kernel_name(kernel)}({shown})"
-
-
-COVERAGE_HEAD_DIMS = [(1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (1, 256), (256, 1),
-                      (200, 256), (256, 256)]
-COVERAGE_SHAPES = [(1, 1, 1), (1, 1, 100), (2, 3, 777), (4, 16, 5000)]  # (B, H, T)
-
-
-def wrapper_calls(module, method):
-    """(description, thunk) for forward and backward over dtypes, head dims, shapes and the
-    module's tuning candidates; each thunk runs the wrapper once with gradients."""
-    # The entry for checked inputs: the public function's checks would refuse these CPU tensors
-    # while the recorder has the interpreter switched off (tensors must then be on the GPU).
-    function = module._run_validated
-    calls = []
-
-    def call(B, H, T, D, E, dtype, config=None, with_state=True):
-        def thunk():
-            device = ttx_tutorial.DEVICE
-            q = torch.zeros(B, H, T, D, dtype=dtype, device=device, requires_grad=True)
-            k = torch.zeros(B, H, T, D, dtype=dtype, device=device, requires_grad=True)
-            v = torch.zeros(B, H, T, E, dtype=dtype, device=device, requires_grad=True)
-            s0 = (torch.zeros(B, H, D, E, dtype=torch.float32, device=device, requires_grad=True)
-                  if with_state else None)
-            o, state = function(q, k, v, s0, config=config)
-            torch.autograd.backward((o, state), (torch.zeros_like(o), torch.zeros_like(state)))
-        return (f"B={B} H={H} T={T} D={D} E={E} {dtype} config={config} initial_state={with_state}", thunk)
-
-    for dtype in _POINTER_TYPES:
-        for D, E in COVERAGE_HEAD_DIMS:
-            for B, H, T in COVERAGE_SHAPES:
-                if B * H * T * max(D, E) <= 2_000_000:
-                    calls.append(call(B, H, T, D, E, dtype, with_state=(T != 100)))
-    # The kernel files offer TUNING_CANDIDATES to benchmarks for 16-bit inputs with D = E = 64
-    # and 128; bfloat16 is the dtype they all compile them for.
-    for candidate in getattr(module, "TUNING_CANDIDATES", []):
-        for head_dim in (64, 128):
-            calls.append(call(2, 4, 3000, head_dim, head_dim, torch.bfloat16, config=dict(candidate)))
-    return calls
-
-
-@pytest.mark.parametrize("method", TRITON_METHODS)
-def test_launch_variants_cover_every_launch_of_the_wrappers(method):
-    module = kernel_module(method)
-    variants = module.launch_variants()
-    kernels = [obj for obj in vars(module).values() if isinstance(obj, KernelInterface)]
-    missing = {}  # launch -> the first call that made it
-    for description, thunk in wrapper_calls(module, method):
-        with LaunchRecorder(kernels) as recorder:
-            thunk()
-        assert recorder.launches, f"no kernel launch was seen for {description}: is the recorder blind?"
-        for kernel, values in recorder.launches:
-            if not any(v["kernel"] is kernel and launch_matches(values, v) for v in variants):
-                missing.setdefault(describe_launch(kernel, values, variants), description)
-    assert not missing, (f"{len(missing)} distinct launches of {method} are not in launch_variants(), so CI "
-                         "never compiles them for a GPU; the first ones:\n"
-                         + "\n".join(f"{launch} from {call}" for launch, call in list(missing.items())[:10]))
 
 
 # --------------------------------------------------------------------------- the child
 
-def _compile_shard(method, shard, shards, targets):
-    """Run in a child: compile every ``shards``-th (variant, target) pair of ``method`` from
-    ``shard`` on, and print the results as JSON."""
-    import time
+def selected_launches(family, target):
+    """The launches compiled for ``target``, from those the wrappers make over the grid with
+    ``target``'s device limits, in a fixed order: a list of (binding, kernel name, args, kwargs,
+    the first call that made it).
 
+    Launches differ in their configuration (the kernel, its pointer dtypes, constexprs, warps and
+    stages) and in how the launcher specialises their integers, which multiplies the distinct
+    binaries by ten. So each configuration is compiled once, with its launch that has the most
+    arguments aligned to 16 (vectorised, pipelined loads: the most shared memory), and each kernel
+    once more with its launch that has the most integers turned into constants (the most
+    constant-folded code, which the interpreter never sees)."""
+    from ttx_tutorial.course import compiler
+
+    module = kernel_module(family)
+    kernels = launched_kernels(module)
+    limits = DEVICE_LIMITS[target]
+    if hasattr(module, "_device_limits"):  # only files whose rules ask the driver have one
+        module._device_limits = lambda device: limits
+    most_aligned, most_constant = {}, {}
+    for call, thunk in wrapper_calls(module):
+        with LaunchRecorder(kernels) as recorder:
+            thunk()
+        if not recorder.launches:
+            raise AssertionError(f"no kernel launch was seen for {call}: is the recorder blind?")
+        for name, args, kwargs in recorder.launches:
+            binding = compiler.bind_launch(kernels[name], *args, target=target, **kwargs)
+            launch = (binding, name, args, kwargs, call)
+            declared = {key: value for key, value in binding.constexprs.items() if key not in binding.specialised}
+            configuration = repr((name, sorted(t for t in binding.signature.values() if t.startswith("*")),
+                                  sorted(declared.items()), binding.num_warps, binding.num_stages))
+            if (configuration not in most_aligned
+                    or len(binding.aligned) > len(most_aligned[configuration][0].aligned)):
+                most_aligned[configuration] = launch
+            if name not in most_constant or len(binding.specialised) > len(most_constant[name][0].specialised):
+                most_constant[name] = launch
+    selected = {launch[0].key: launch for launch in [*most_aligned.values(), *most_constant.values()]}
+    return list(selected.values())
+
+
+def compile_shard(family, target, shard, shards):
+    """Run in a child: compile every ``shards``-th distinct launch from ``shard`` on and print
+    the results as JSON."""
+    import ttx_tutorial
     from ttx_tutorial.course import compiler
 
     assert not ttx_tutorial.INTERPRETED, "the compile child must run without the interpreter"
-    variants = kernel_module(method).launch_variants()
-    pairs = [(index, target) for index in range(len(variants)) for target in targets][shard::shards]
+    kernels = launched_kernels(kernel_module(family))
+    launches = selected_launches(family, target)
     results = []
-    for index, target in pairs:
-        variant = variants[index]
-        start = time.perf_counter()
-        result = compiler.compile_variant(variant, target=target)
+    for index, (binding, name, args, kwargs, call) in list(enumerate(launches))[shard::shards]:
+        result = compiler.compile_launch(kernels[name], *args, target=target, **kwargs)
         results.append({
-            "index": index, "label": variant_label(variant), "target": target, "ok": result.ok,
-            "message": result.message, "shared_bytes": result.shared_bytes,
+            "index": index, "of": len(launches), "kernel": name, "call": call, "specialised": binding.specialised, "ok": result.ok,
+            "summary": result.summary(), "shared_bytes": result.shared_bytes,
             "limit": compiler.target_facts(target).max_shared_bytes_per_block,
-            "seconds": round(time.perf_counter() - start, 3),
+            "num_stages": result.num_stages,
+            "async_copies": result.ok and "cp.async" in result.ptx,
+            "tensor_core_instructions": result.tensor_core_instructions() if result.ok else [],
         })
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    _compile_shard(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    compile_shard(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+
+
+# --------------------------------------------------------------------------- the tests
+
+_RESULTS: dict[tuple[str, str], list[dict] | str] = {}  # (family, target) -> results, or why the children failed
+
+
+def run_child(family, target, shard, shards) -> list[dict]:
+    child = testing.run_python(Path(__file__), family, target, str(shard), str(shards), timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, f"recording or compiling {family}'s launches crashed:\n{child.stderr[-4000:]}"
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def compiled_launches(family, target) -> list[dict]:
+    """Every selected launch of ``family`` compiled for ``target``, once per test session, by JOBS
+    children. A failure of the children is remembered and reported by every test that asks."""
+    if (family, target) not in _RESULTS:
+        try:
+            with ThreadPoolExecutor(JOBS) as pool:
+                shards = list(pool.map(lambda shard: run_child(family, target, shard, JOBS), range(JOBS)))
+            results = sorted((r for shard in shards for r in shard), key=lambda r: r["index"])
+            assert results and [r["index"] for r in results] == list(range(results[0]["of"])), \
+                "the children did not compile every selected launch exactly once"
+            _RESULTS[family, target] = results
+        except (AssertionError, subprocess.SubprocessError, ValueError) as error:
+            _RESULTS[family, target] = f"{type(error).__name__}: {error}"
+    if isinstance(_RESULTS[family, target], str):
+        pytest.fail(_RESULTS[family, target])
+    return _RESULTS[family, target]
+
+
+CASES = [pytest.param(family, target, id=f"{family}-{target}") for family in FAMILIES for target in DEVICE_LIMITS]
+
+
+@pytest.mark.parametrize("family, target", CASES)
+def test_every_launch_compiles_for_the_gpu_target_within_its_shared_memory(family, target):
+    results = compiled_launches(family, target)
+    refused = [f"{r['summary']}\n    first made by {r['call']}" for r in results if not r["ok"]]
+    assert not refused, f"{len(refused)} of {len(results)} launches do not compile:\n" + "\n".join(refused[:10])
+    too_big = [f"{r['summary']}\n    first made by {r['call']}" for r in results if r["shared_bytes"] > r["limit"]]
+    assert not too_big, (f"{len(too_big)} launches need more shared memory than one block may use on {target}, "
+                         "so they would fail at launch:\n" + "\n".join(too_big[:10]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kernel_of_the_file_is_launched_and_compiled(family):
+    """The grid reaches every kernel the file defines, so none escapes compilation."""
+    module = kernel_module(family)
+    for target in DEVICE_LIMITS:
+        launched = {r["kernel"] for r in compiled_launches(family, target)}
+        assert launched == set(launched_kernels(module)), (
+            f"{family} on {target}: kernels never launched over the grid: {set(launched_kernels(module)) - launched}")
+
+
+def _default_16bit_head(call, head_dims=(64, 128)):
+    B, H, T, D, E = call["shape"]
+    return call["dtype"] in ("bfloat16", "float16") and D == E and D in head_dims and call["config"] is None
+
+
+#: Instructions the speed of a launch depends on: (family, target, which launches, what must hold).
+EXPECTED_INSTRUCTIONS = [
+    # Pipelined loads: with more than one stage, chunked's loads become asynchronous copies.
+    ("chunked", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["num_stages"] > 1,
+     "asynchronous copies (cp.async)", lambda r: r["async_copies"]),
+    # Hopper's warp-group tensor-core instructions in every kernel of the scan.
+    ("scan", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["call"]["shape"][2] >= 64,
+     "wgmma", lambda r: any(op.startswith("wgmma") for op in r["tensor_core_instructions"])),
+    # The chunked kernels run their products on tensor cores.
+    ("chunked", "sm_80", lambda r: _default_16bit_head(r["call"]),
+     "tensor-core mma", lambda r: bool(r["tensor_core_instructions"])),
+]
+
+
+@pytest.mark.parametrize("family, target, selects, what, holds",
+                         [pytest.param(*e, id=f"{e[0]}-{e[1]}-{e[3]}") for e in EXPECTED_INSTRUCTIONS])
+def test_fast_launches_compile_to_the_instructions_their_speed_needs(family, target, selects, what, holds):
+    selected = [r for r in compiled_launches(family, target) if r["ok"] and selects(r)]
+    assert selected, f"no launch of {family} on {target} was selected: the grid or the selection changed"
+    missing = [f"{r['summary']}\n    first made by {r['call']}" for r in selected if not holds(r)]
+    assert not missing, f"{len(missing)} of {len(selected)} launches lack {what}:\n" + "\n".join(missing[:10])

@@ -173,11 +173,17 @@ def test_gpu_target_object_and_launch_options_are_reported():
     assert re.search(r"\.(reqntid|maxntid) 256\b", result.ptx)
 
 
-def test_compile_variant_takes_a_launch_variants_entry():
-    variant = {"kernel": _helper_and_zeros_kernel, "signature": HELPER_SIGNATURE, "constexprs": {"BLOCK": 32},
-               "num_warps": 2, "num_stages": 1}
-    result = compiler.compile_variant(variant, target="sm_80")
-    assert result.ok and result.num_warps == 2, result.summary()
+def test_compile_launch_binds_the_real_arguments_as_a_gpu_launch_would():
+    x = torch.zeros(64)
+    result = compiler.compile_launch(_helper_and_zeros_kernel, x, 48, BLOCK=64, num_warps=2, num_stages=1,
+                                     target="sm_80")
+    assert result.ok and (result.num_warps, result.num_stages) == (2, 1), result.summary()
+    # Triton's launcher turns an integer equal to 1 into a constant and marks multiples of 16.
+    one, forty_eight, forty_seven, thirty_two = (
+        compiler.bind_launch(_helper_and_zeros_kernel, x, n, BLOCK=64, target="sm_80") for n in (1, 48, 47, 32))
+    assert one.specialised == ("n",) and one.constexprs == {"n": 1, "BLOCK": 64}
+    assert forty_eight.aligned == ("x_ptr", "n") and forty_seven.aligned == ("x_ptr",)
+    assert len({one.key, forty_eight.key, forty_seven.key}) == 3 and thirty_two.key == forty_eight.key
 
 
 def test_shared_memory_limits_per_target():
@@ -243,7 +249,7 @@ def _not_a_kernel(x_ptr):
                                          num_warps=3), ValueError, "power of two"),
     (lambda: compiler.compile_for_target(_helper_and_zeros_kernel, HELPER_SIGNATURE, {"BLOCK": 16},
                                          num_stages=0), ValueError, "num_stages must be at least 1"),
-    (lambda: compiler.compile_variant({"kernel": _helper_and_zeros_kernel}), ValueError, "missing"),
+    (lambda: compiler.compile_launch(_helper_and_zeros_kernel, torch.zeros(4), 4), TypeError, "BLOCK"),
     (lambda: compiler.tensor_core_lines(b"mma.sync"), TypeError, "ptx must be a string"),
 ])
 def test_bad_arguments_raise_clear_errors(call, error, match):

@@ -6,11 +6,6 @@ outputs allocated NaN-filled; generation is checked against the parallel forward
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +15,6 @@ import ttx_tutorial
 from ttx_tutorial.kernels import step
 from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations, random_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: feature map as passed -> its float64 version
@@ -228,105 +222,6 @@ def test_checks_skipped_for_a_known_signature_still_see_what_changes():
 
 
 # --------------------------------------------------------------------------- GPU compilation
-
-def recorded_launches(calls):
-    """The launches the wrapper makes for ``calls`` (thunks), recorded, none executed; the
-    interpreter switch is off meanwhile so that the wrapper chooses as on a GPU."""
-    import triton
-
-    launches = []
-
-    def record(*args, grid, warmup, **kwargs):
-        values = dict(zip(step.step_kernel.arg_names, args))
-        launches.append({**values, **kwargs})
-
-    step.step_kernel.run = record
-    interpreting = triton.knobs.runtime.interpret
-    triton.knobs.runtime.interpret = False
-    try:
-        for call in calls:
-            call()
-    finally:
-        triton.knobs.runtime.interpret = interpreting
-        del step.step_kernel.run
-    return launches
-
-
-def test_launch_variants_cover_every_launch():
-    pointer_types = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-    variants = step.launch_variants()
-    calls = []
-    for dtype in DTYPES:
-        for feature in step.FEATURE_MAPS:
-            for normalize in (True, False):
-                for D, E in ((1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (256, 1), (3, 256)):
-                    q, k, v, state = token_inputs(2, 3, D, E, dtype, normalize)
-                    calls.append(lambda q=q, k=k, v=v, state=state, f=feature, n=normalize:
-                                 step._launch(q, k, v, state, f, n, 1e-6))
-    launches = recorded_launches(calls)
-    assert len(launches) == len(calls)
-    missing = []
-    for launch in launches:
-        matched = any(
-            all(launch[name] == value for name, value in variant["constexprs"].items())
-            and launch.get("num_warps", 4) == variant["num_warps"] and launch.get("num_stages", 3) == variant["num_stages"]
-            and all(pointer_types[launch[name].dtype] == kind for name, kind in variant["signature"].items()
-                    if kind.startswith("*"))
-            for variant in variants)
-        if not matched:
-            missing.append({name: launch[name] for name in ("FEATURE_MAP", "NORMALIZE", "BLOCK_D", "BLOCK_E")})
-    assert not missing, f"launches missing from launch_variants(): {missing[:5]}"
-
-
-_COMPILE_CHILD = r"""
-import json, sys
-import ttx_tutorial
-from ttx_tutorial.course import compiler
-from ttx_tutorial.kernels import step
-shard, shards, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-variants = step.launch_variants()
-results = []
-for index, target in [(i, t) for i in range(len(variants)) for t in targets][shard::shards]:
-    variant = variants[index]
-    result = compiler.compile_variant(variant, target=target)
-    results.append({"variant": f"{variant['constexprs']} {variant['signature']['q_ptr']}", "target": target,
-                    "ok": result.ok, "message": result.message, "shared": result.shared_bytes,
-                    "limit": compiler.target_facts(target).max_shared_bytes_per_block})
-if shard == 0:  # the launcher makes integer arguments equal to 1 constants: the most folded launch
-    variant = variants[0]
-    signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
-    for name, kind in variant["signature"].items():
-        if kind == "i32":
-            signature[name], constexprs[name] = "constexpr", 1
-    result = compiler.compile_for_target(step.step_kernel, signature, constexprs, target="sm_90",
-                                         num_warps=variant["num_warps"], num_stages=variant["num_stages"])
-    results.append({"variant": "integers as constants", "target": "sm_90", "ok": result.ok,
-                    "message": result.message, "shared": 0, "limit": 1})
-print(json.dumps(results))
-"""
-
-
-def test_every_launch_variant_compiles_for_sm80_and_sm90():
-    """The interpreter accepts code a GPU refuses: compile each variant for real targets, in child
-    processes with the interpreter off (as tests/test_compile_targets.py does), one per CPU core
-    (``TTX_COMPILE_JOBS``)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TTX_TUTORIAL_DEVICE": "cuda",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    jobs = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
-    children = [subprocess.Popen([sys.executable, "-c", _COMPILE_CHILD, str(shard), str(jobs), "sm_80", "sm_90"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-                for shard in range(jobs)]
-    results = []
-    for child in children:
-        stdout, stderr = child.communicate(timeout=1800)
-        assert child.returncode == 0, stderr[-4000:]
-        results += json.loads(stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(step.launch_variants()) + 1
-    failures = [f"{r['variant']} on {r['target']}: {r['message']}" for r in results if not r["ok"]]
-    assert not failures, "\n".join(failures[:5])
-    too_big = [r for r in results if r["shared"] > r["limit"]]
-    assert not too_big, f"shared memory over the per-block limit: {too_big[:3]}"
-
 
 # --------------------------------------------------------------------------- on the GPU
 

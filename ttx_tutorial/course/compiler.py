@@ -6,7 +6,7 @@ the CPU interpreter cannot, because the interpreter runs every ``tl.dot`` in Num
 accepts any shape, while the GPU compiler refuses some:
 
 * does this kernel compile for sm_80 / sm_90 with these block sizes, and if not, what
-  does the compiler say?  (:func:`compile_for_target`, :func:`compile_variant`)
+  does the compiler say?  (:func:`compile_for_target`, :func:`compile_launch`)
 * which ``tl.dot`` shapes does the installed Triton accept?  The limits changed between
   Triton versions, so we ask instead of hard-coding them.  (:func:`dot_shape_accepted`,
   :func:`dot_shape_table`)
@@ -443,20 +443,77 @@ def compile_for_target(kernel, signature, constexprs=None, *, target="sm_90", nu
     return CompileResult(ok=True, ptx=compiled.asm["ptx"], shared_bytes=int(compiled.metadata.shared), **common)
 
 
-_VARIANT_KEYS = {"kernel", "signature", "constexprs", "num_warps", "num_stages"}
+@dataclass(frozen=True)
+class LaunchBinding:
+    """How Triton's launcher binds one launch's arguments for a target: what decides its binary."""
+
+    kernel_name: str
+    target: str
+    #: ``{argument: type}``; an integer argument equal to 1 is specialised to ``"constexpr"``.
+    signature: dict
+    #: ``{argument: value}`` of the declared constexprs and of the specialised integers.
+    constexprs: dict
+    #: the pointer and integer arguments marked divisible by 16 (vectorised loads need them).
+    aligned: tuple
+    #: the integer arguments the launcher turned into constants (they were equal to 1).
+    specialised: tuple
+    num_warps: int
+    num_stages: int
+
+    @property
+    def key(self) -> str:
+        """Equal for two launches exactly when they compile to the same binary."""
+        return repr((self.kernel_name, self.target, sorted(self.signature.items()),
+                     sorted(self.constexprs.items()), self.aligned, self.num_warps, self.num_stages))
 
 
-def compile_variant(variant: dict, *, target="sm_90") -> CompileResult:
-    """Compile one entry of a kernel file's ``launch_variants()`` (see docs/CONTRIBUTING.md):
-    ``{"kernel", "signature", "constexprs", "num_warps", "num_stages"}``."""
-    if not isinstance(variant, dict):
-        raise TypeError(f"a launch variant must be a dict, got {type(variant).__name__}")
-    missing, unknown = _VARIANT_KEYS - set(variant), set(variant) - _VARIANT_KEYS
-    if missing or unknown:
-        raise ValueError(f"a launch variant needs exactly the keys {sorted(_VARIANT_KEYS)}; "
-                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-    return compile_for_target(variant["kernel"], variant["signature"], variant["constexprs"], target=target,
-                              num_warps=variant["num_warps"], num_stages=variant["num_stages"])
+def _launch_binding(jit_fn: JITFunction, facts: TargetFacts, args, kwargs):
+    """(binding, ASTSource, options) of ``jit_fn[grid](*args, **kwargs)`` on ``facts``' GPU, from
+    Triton's own launcher, exactly as in a launch on such a GPU."""
+    try:
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+    except ImportError as error:  # the launcher's internals move between Triton versions
+        raise RuntimeError(f"binding a launch needs Triton's launcher internals (tested with triton 3.9); "
+                           f"triton {triton.__version__} lacks them: {error}") from error
+    backend = make_backend(facts.gpu_target)
+    binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit_fn._pack_args(backend, kwargs, bound, specialization, options)
+    names = list(signature)
+    declared = {param.name for param in jit_fn.params if param.is_constexpr}
+    binding = LaunchBinding(
+        kernel_name=jit_fn.__name__, target=facts.name, signature=dict(signature),
+        constexprs={names[path[0]]: value for path, value in constexprs.items()},
+        aligned=tuple(names[path[0]] for path, hints in attrs.items() if ["tt.divisibility", 16] in hints),
+        specialised=tuple(name for name, kind in signature.items() if kind == "constexpr" and name not in declared),
+        num_warps=options.num_warps, num_stages=options.num_stages)
+    return binding, ASTSource(jit_fn, signature, constexprs, attrs), options
+
+
+def bind_launch(kernel, *args, target="sm_90", **kwargs) -> LaunchBinding:
+    """How the launch ``kernel[grid](*args, **kwargs)`` is bound for ``target`` (nothing compiled)."""
+    facts = target_facts(target)
+    with _compilable(kernel) as jit_fn:
+        return _launch_binding(jit_fn, facts, args, kwargs)[0]
+
+
+def compile_launch(kernel, *args, target="sm_90", **kwargs) -> CompileResult:
+    """Compile ``kernel`` as the launch ``kernel[grid](*args, **kwargs)`` would build it on
+    ``target``: the real arguments (tensors, integers, constexprs, ``num_warps``, ``num_stages``)
+    are bound by Triton's launcher, so the argument types, the integers specialised to constants
+    and the alignment hints are those of a GPU run. Tensors may live on the CPU; nothing runs."""
+    facts = target_facts(target)
+    with _compilable(kernel) as jit_fn:
+        binding, source, options = _launch_binding(jit_fn, facts, args, kwargs)
+        common = dict(kernel_name=jit_fn.__name__, target=facts.name, num_warps=binding.num_warps,
+                      num_stages=binding.num_stages)
+        try:
+            compiled = triton.compile(source, target=facts.gpu_target, options=options.__dict__)
+        except _REFUSALS as error:
+            return CompileResult(ok=False, message=_refusal_message(error), full_message=str(error),
+                                 error_type=type(error).__name__, **common)
+    return CompileResult(ok=True, ptx=compiled.asm["ptx"], shared_bytes=int(compiled.metadata.shared), **common)
 
 
 # --------------------------------------------------------------------------- tl.dot shapes

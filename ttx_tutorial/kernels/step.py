@@ -135,7 +135,6 @@ FEATURE_MAPS = ("elu", "relu", "identity")
 #: The largest head dimension (D and E) the kernel takes.
 MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # State elements a program holds per iteration: 32 float32 registers a thread with 4 warps.
 _TILE_ELEMENTS = 4096
 _NUM_WARPS = 4
@@ -299,34 +298,3 @@ def step_update(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
     q, k: (B, H, D); v: (B, H, E); state: see ``check_inputs``. Inference only."""
     _check_inputs_cached(q, k, v, state, feature_map, normalize, eps)
     return _launch(q, k, v, state, feature_map, normalize, float(eps))
-
-
-def _signature(dtype: torch.dtype) -> dict:
-    tensor = "*" + _TRITON_DTYPES[dtype]
-    signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": tensor, "state_ptr": "*fp32"}
-    scalars = ["H", "D", "E", *(f"stride_{x}{axis}" for x, last in (("q", "d"), ("k", "d"), ("v", "e"))
-                                for axis in ("b", "h", last))]
-    signature.update({name: "i32" for name in scalars})
-    signature["eps"] = "fp32"
-    signature.update({name: "constexpr" for name in ("FEATURE_MAP", "NORMALIZE", "BLOCK_D", "BLOCK_E")})
-    return signature
-
-
-def launch_variants():
-    """Every kernel launch the wrapper can make: a list of dicts
-    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
-     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
-    covering each dtype, feature map, normalize and block size the rule can choose."""
-    variants = []
-    for dtype in _TRITON_DTYPES:
-        for feature_map in FEATURE_MAPS:
-            for normalize in (True, False):
-                for head_dim in (16, 32, 64, 128, 256):  # every power-of-two BLOCK_E the rule can pick
-                    cfg = default_config(head_dim, head_dim, normalize)
-                    variant = {"kernel": step_kernel, "signature": _signature(dtype),
-                               "constexprs": {"FEATURE_MAP": feature_map, "NORMALIZE": normalize,
-                                              "BLOCK_D": cfg["BLOCK_D"], "BLOCK_E": cfg["BLOCK_E"]},
-                               "num_warps": cfg["num_warps"], "num_stages": 3}
-                    if variant not in variants:
-                        variants.append(variant)
-    return variants
