@@ -5,16 +5,13 @@ interpreter stays quick and several chunks are crossed; the cases through ``caus
 use the wrapper's own rule.
 """
 
-import json
-
 import pytest
 import torch
 import triton
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked
-from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients,
-                                  run_python)
+from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SMALL_CHUNKS = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}
@@ -248,58 +245,3 @@ def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory)
         for D, E in ((1, 1), (16, 64), (64, 64)):
             fused = chunked.fused_backward_config(D, E, dtype, shared_memory=shared_memory)
             assert chunked._fused_backward_shared_memory(fused, dtype) <= shared_memory
-
-
-def _variant_id(variant):
-    c = variant["constexprs"]
-    return (f"{variant['signature']['q_ptr'][1:]}-D{c['BLOCK_D']}-E{c['BLOCK_E']}-C{c['CHUNK']}"
-            f"-w{variant['num_warps']}-s{variant['num_stages']}")
-
-
-# Run in a child process outside the interpreter (testing.run_python). Each variant is compiled as
-# a launch on contiguous, 16-byte-aligned tensors with D and E multiples of 16 specialises it
-# (unit strides become constants; pointers, D, E and the other q, k, v, o strides are divisible
-# by 16): only then are the loads vectorised into pipelined asynchronous copies, which take
-# num_stages buffers of shared memory.
-_COMPILE_ALL_FOR_SM90 = """
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ttx_tutorial.kernels import chunked
-UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_doe", "stride_dqd", "stride_dkd",
-                "stride_dve")
-TOKEN_TENSORS = ("stride_q", "stride_k", "stride_v", "stride_o", "stride_d")  # d: dO, dQ, dK, dV
-results = []
-for variant in chunked.launch_variants():
-    signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
-    for name in UNIT_STRIDES:
-        if name in signature:
-            signature[name], constexprs[name] = "constexpr", 1
-    aligned = [i for i, (name, kind) in enumerate(signature.items())
-               if kind.startswith("*") or name in ("D", "E")
-               or (kind == "i32" and name[:8] in TOKEN_TENSORS)]
-    source = ASTSource(variant["kernel"], signature=signature, constexprs=constexprs,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    try:
-        options = {"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]}
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        results.append({"shared": compiled.metadata.shared,
-                        "async_copies": "cp.async" in compiled.asm["ptx"]})
-    except Exception as error:
-        results.append({"error": repr(error)[-500:]})
-print(json.dumps(results))
-"""
-
-
-def test_launch_variants_compile_for_sm90_within_shared_memory():
-    """Each launch compiles for an H100/H200, pipelines its loads as asynchronous copies when it
-    has more than one stage, and fits the shared memory (else it fails at launch)."""
-    child = run_python(_COMPILE_ALL_FOR_SM90, timeout=1800)
-    assert child.returncode == 0, child.stderr[-4000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
-    variants = chunked.launch_variants()
-    assert len(results) == len(variants)
-    problems = [(_variant_id(v), r) for v, r in zip(variants, results)
-                if "error" in r or r["shared"] > chunked._NOMINAL_LIMITS[1]
-                or r["async_copies"] != (v["num_stages"] > 1)]
-    assert not problems, problems

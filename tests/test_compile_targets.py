@@ -53,6 +53,7 @@ JOBS = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
 COVERAGE_HEAD_DIMS = [(1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (1, 256), (256, 1),
                       (200, 256), (256, 256)]
 COVERAGE_SHAPES = [(1, 1, 1), (1, 1, 100), (2, 3, 777), (4, 16, 5000)]  # (B, H, T)
+LONG_T = 2**20 + 100
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -94,6 +95,10 @@ def wrapper_calls(module):
             for B, H, T in COVERAGE_SHAPES:
                 if B * H * T * max(D, E) <= 2_000_000:
                     add(B, H, T, D, E, dtype, with_state=(T != 100))
+    # Long 16-bit sequences, past the chunk count where chunked sums its states with a carry.
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in (64, 128):
+            add(1, 1, LONG_T, head_dim, head_dim, dtype)
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import ttx_tutorial
 from _strategies import SETTINGS
 from test_reliability import CROSSINGS
-from ttx_tutorial import references, testing
+from ttx_tutorial import testing
 
 METHODS = (*ttx_tutorial.METHODS, "auto")
 FEW_ELEMENTS = 64

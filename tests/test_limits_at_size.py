@@ -101,15 +101,9 @@ def test_the_windowed_reference_at_a_small_size(method, device):
     check_one_long_head(method, 300, 8, dtype=torch.float32, window=40, piece=64, device=device)
 
 
-# chunked's final state drifts past bfloat16's tolerance over the 2**19 chunks of this head, while
-# recurrent and scan hold it (README, "Limits"); strict, so that a fix shows up here.
-CHUNKED_LONG_HEAD = pytest.mark.xfail(strict=True, reason="chunked's S_T drifts past 1e-2 over 2**19 chunks")
-
-
 @pytest.mark.gpu
 @at_size
-@pytest.mark.parametrize("method", [pytest.param(m, marks=CHUNKED_LONG_HEAD) if m == "chunked" else m
-                                    for m in TRITON_METHODS])
+@pytest.mark.parametrize("method", TRITON_METHODS)
 def test_one_head_ending_at_the_last_32_bit_offset(method):
     T, D = 2**25, 64  # (T - 1) * D + (D - 1) = 2**31 - 1, the last offset int32 reaches
     check_one_long_head(method, T, D, dtype=torch.bfloat16, window=2048, piece=2**22, device="cuda")

@@ -9,16 +9,13 @@ segments, one segment) and the interpreter stays fast; a few use the wrapper's o
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 import ttx_tutorial
 from ttx_tutorial.kernels import scan
 from ttx_tutorial.references import quadratic
-from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference, run_python
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs, reference
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CHUNK = 16
@@ -213,56 +210,3 @@ def test_tuning_candidates_are_valid_configs(dtype):
             q = torch.empty(1, 8, 65536, head_dim, dtype=dtype)
             resolved = scan._resolve_config(q, q, candidate)
             assert resolved["SEGMENT_LEN"] % resolved["CHUNK"] == 0
-
-
-# --------------------------------------------------------------------------- GPU compiler
-
-def _main_variants(variants):
-    """The launches of the benchmark shapes (bfloat16, D = E = 64 and 128, the default rule):
-    passes 1 (with pass 2 inside) and 3, forward and reverse, and the fused backward at 64."""
-    wanted = set()
-    for head_dim in (64, 128):
-        rule = scan._default_blocks(head_dim, head_dim, BF16)
-        wanted.add((head_dim, rule["BLOCK_E"], rule["CHUNK"], rule["num_warps"], rule["num_stages"]))
-    fused = scan.fused_backward_config(64, 64, BF16, {"CHUNK": 64})
-    wanted.add((64, 64, fused["CHUNK"], fused["num_warps"], fused["num_stages"]))
-    chosen = []
-    for variant in variants:
-        constexprs = variant["constexprs"]
-        if (variant["signature"]["k_ptr"] == "*bf16"
-              and (constexprs["BLOCK_D"], constexprs["BLOCK_E"], constexprs["CHUNK"],
-                   variant["num_warps"], variant["num_stages"]) in wanted):
-            chosen.append(variant)
-    return chosen
-
-
-def _compile_main_variants():
-    """Run in a child without the interpreter: compile the chosen variants for sm_90."""
-    from ttx_tutorial.course import compiler
-
-    results = []
-    for variant in _main_variants(scan.launch_variants()):
-        result = compiler.compile_variant(variant, target="sm_90")
-        results.append({"kernel": result.kernel_name, "constexprs": str(variant["constexprs"]),
-                        "ok": result.ok, "message": result.message,
-                        "fits": result.ok and result.fits_shared_memory(),
-                        "opcodes": result.tensor_core_instructions() if result.ok else []})
-    print(json.dumps(results))
-
-
-def test_main_launches_compile_for_sm90_with_tensor_cores():
-    child = run_python(Path(__file__))
-    assert child.returncode == 0, child.stderr[-4000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * 2 + 1  # head dims times the two launches (each serves both directions); the fused backward
-    kernels = {r["kernel"] for r in results}
-    assert kernels == {"scan_summaries_kernel", "scan_outputs_kernel", "scan_backward_kernel"}
-    for r in results:
-        assert r["ok"], f"{r['kernel']} {r['constexprs']}: {r['message']}"
-        assert r["fits"], f"{r['kernel']} {r['constexprs']} needs more shared memory than sm_90 has"
-        assert any(op.startswith("wgmma") for op in r["opcodes"]), \
-            f"{r['kernel']} {r['constexprs']} does not use Hopper's wgmma: {r['opcodes']}"
-
-
-if __name__ == "__main__":
-    _compile_main_variants()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ttx_tutorial
 from ttx_tutorial.kernels import step
-from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations, random_inputs
+from ttx_tutorial.testing import assert_close, poisoned_allocations, random_inputs
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

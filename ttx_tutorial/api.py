@@ -33,11 +33,6 @@ class Method:
         return MAX_HEAD_DIM if self.is_triton else None
 
 
-@functools.lru_cache(maxsize=None)  # a driver query: asked once per device
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 #: The largest head dimension (D and E) the Triton kernels support.
 MAX_HEAD_DIM = 256
 
@@ -95,7 +90,7 @@ def choose_method(q: torch.Tensor, v: torch.Tensor) -> str:
     B, H, T, D = q.shape
     E = v.shape[-1]
     programs = B * H * -(-E // _chunked_value_block(D, E, q.dtype))
-    multiprocessors = _multiprocessor_count(q.device)
+    multiprocessors, _ = chunked._device_limits(q.device)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"

@@ -25,6 +25,8 @@ Precision: products accumulate in float32; float32 inputs multiply in IEEE float
 cost about 1e-3); bfloat16 rounds the float32 state and scores to bfloat16 (same exponent range);
 float16 keeps them in float32 (TF32 products, exact for float16 inputs), since a long sequence
 of positive features takes the state past float16's 65504.
+Tensor cores accumulate with truncation: beyond ``COMPENSATED_FROM_CHUNKS`` chunks, 16-bit
+inputs add each chunk's state product in rounded float32 with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
@@ -41,6 +43,21 @@ import threading
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.constexpr):
+    """(b_sum + a @ b, carry). A tensor-core product that accumulates into b_sum truncates the
+    sum at every step, a bias that grows with the number of chunks; COMPENSATED instead adds
+    each chunk's product in rounded float32 and keeps the rounding error in b_carry (Kahan)."""
+    if COMPENSATED:
+        y = tl.dot(a, b, input_precision=PRECISION) - b_carry
+        total = b_sum + y
+        b_carry = (total - b_sum) - y
+        b_sum = total
+    else:
+        b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
+    return b_sum, b_carry
 
 
 @triton.jit
@@ -74,6 +91,7 @@ def chunked_kernel(
     BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
     CHUNK: tl.constexpr,            # tokens per chunk
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
+    COMPENSATED: tl.constexpr,      # long 16-bit sequences: the state summed with a carry
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
@@ -117,6 +135,7 @@ def chunked_kernel(
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
 
     num_chunks = (T + CHUNK - 1) // CHUNK
+    b_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     for i in range(num_chunks):
         chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
         offs_t = chunk * CHUNK + offs_c
@@ -143,7 +162,7 @@ def chunked_kernel(
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
                      acc=b_o, input_precision=FLOAT32_PRECISION)
-        b_state = tl.dot(b_kt, b_v, acc=b_state, input_precision=FLOAT32_PRECISION)
+        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
@@ -177,6 +196,7 @@ def chunked_backward_kernel(
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    COMPENSATED: tl.constexpr,
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
     # Two walks over the chunks.
@@ -219,6 +239,7 @@ def chunked_backward_kernel(
                           mask=mask_e[:, None] & mask_d[None, :], other=0.0)
         # Row t (token t) receives from column s (token s) when s <= t.
         lower = offs_c[:, None] >= offs_c[None, :]
+        b_p_carry = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
             offs_t = i * CHUNK + offs_c
             mask_t = offs_t < T
@@ -239,7 +260,7 @@ def chunked_backward_kernel(
                           input_precision=FLOAT32_PRECISION)                             # [C, D]
             b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           b_k.to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
-            b_p = tl.dot(b_vt, b_k, acc=b_p, input_precision=FLOAT32_PRECISION)
+            b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
 
@@ -250,6 +271,7 @@ def chunked_backward_kernel(
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
+    b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < T
@@ -277,7 +299,7 @@ def chunked_backward_kernel(
         b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
                       acc=b_dk, input_precision=FLOAT32_PRECISION)
-        b_r = tl.dot(tl.trans(b_q), b_do, acc=b_r, input_precision=FLOAT32_PRECISION)
+        b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -397,6 +419,16 @@ def _device_limits(device):
     return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
+#: Beyond this many chunks, 16-bit inputs sum the states with a carry (``_add_product``): their
+#: tensor-core products accumulate with truncation, whose bias grows with the number of chunks.
+#: Below it the bias stays well under bfloat16's rounding, and the carry would cost registers.
+COMPENSATED_FROM_CHUNKS = 4096
+
+
+def _compensated(T, chunk, dtype):
+    return dtype != torch.float32 and triton.cdiv(T, chunk) > COMPENSATED_FROM_CHUNKS
+
+
 def _launch(q, k, v, initial_state, *, reverse, config):
     """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated."""
     B, H, T, D = q.shape
@@ -422,7 +454,7 @@ def _launch(q, k, v, initial_state, *, reverse, config):
             T, H, D, E, int(reverse), int(has_initial_state),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
             BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret, COMPENSATED=_compensated(T, chosen["CHUNK"], q.dtype),
             num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
         )
     return o, final_state
@@ -477,7 +509,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *,
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
             *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret, COMPENSATED=_compensated(T, fused["CHUNK"], q.dtype),
             num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
@@ -635,7 +667,7 @@ def _resolved(q, k, v, initial_state):
     """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
     kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
     if initial_state is not None:
-        initial_state = initial_state.resolve_neg().to(torch.float32)
+        initial_state = initial_state.resolve_neg()
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
@@ -647,6 +679,8 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
     by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
+    if initial_state is not None:  # the API converts it once, before calling _run_validated
+        initial_state = initial_state.float()
     return _run_validated(q, k, v, initial_state, config)
 
 
@@ -660,76 +694,3 @@ def _run_validated(q, k, v, initial_state=None, config=None):
         return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, reverse=False, config=config)
-
-
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def launch_variants():
-    """Every kernel launch the wrappers can make: a list of dicts
-    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
-     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
-    covering each dtype and each config the wrapper's rule can choose. CI compiles them all for
-    sm_80 and sm_90 without a GPU.
-
-    The rule is enumerated for Hopper's shared memory, and ``TUNING_CANDIDATES`` are added for
-    bfloat16 with D = E in {64, 128}. Each entry serves forward and reverse passes, with or
-    without an initial state (those are runtime flags).
-    """
-    head_blocks = (16, 32, 64, 128, 256)
-    launches = set()
-    for dtype in _TRITON_DTYPES:
-        for block_d in head_blocks:
-            for block_e in head_blocks:
-                # many heads (no splitting), and a single head on an H100/H200 (the most)
-                for heads in (None, 1):
-                    config = default_config(block_d, block_e, dtype, heads=heads,
-                                            multiprocessors=_NOMINAL_LIMITS[0])
-                    launches.add((dtype, block_d, tuple(config[key] for key in CONFIG_KEYS)))
-    for block_d in (64, 128):
-        for config in TUNING_CANDIDATES:
-            launches.add((torch.bfloat16, block_d, tuple(config[key] for key in CONFIG_KEYS)))
-    variants = [_variant(dtype, block_d, dict(zip(CONFIG_KEYS, values)))
-                for dtype, block_d, values in sorted(launches, key=str)]
-    # The fused backward: its rule depends only on the dtype and the two blocks (the chunk of
-    # every rule and candidate configuration is at least 64, so the cap decides it).
-    fused_blocks = [b for b in head_blocks if b <= FUSED_BACKWARD_MAX_BLOCK]
-    for dtype in _FUSED_BACKWARD_DTYPES:
-        for block_d in fused_blocks:
-            for block_e in fused_blocks:
-                variants.append(_backward_variant(dtype, fused_backward_config(block_d, block_e, dtype)))
-    return variants
-
-
-def _variant(dtype, block_d, config):
-    input_type = "*" + _TRITON_DTYPES[dtype]
-    signature = {"q_ptr": input_type, "k_ptr": input_type, "v_ptr": input_type, "o_ptr": input_type,
-                 "initial_state_ptr": "*fp32", "final_state_ptr": "*fp32"}
-    for name in ("T", "H", "D", "E", "reverse", "has_initial_state"):
-        signature[name] = "i32"
-    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("o", "bhte"),
-                         ("s0", "bhde"), ("sf", "bhde")):
-        for axis in axes:
-            signature[f"stride_{tensor}{axis}"] = "i32"
-    constexprs = {"BLOCK_D": block_d, "BLOCK_E": config["BLOCK_E"], "CHUNK": config["CHUNK"],
-                  "INTERPRETED": False}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return {"kernel": chunked_kernel, "signature": signature, "constexprs": constexprs,
-            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-
-
-def _backward_variant(dtype, fused):
-    input_type = "*" + _TRITON_DTYPES[dtype]
-    signature = {name: input_type for name in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
-    signature.update({"initial_state_ptr": "*fp32", "g_ptr": "*fp32", "ds0_ptr": "*fp32"})
-    for name in ("T", "H", "D", "E", "compute_dq", "has_initial_state", "has_final_grad"):
-        signature[name] = "i32"
-    for tensor, axes in (("q", "bhtd"), ("k", "bhtd"), ("v", "bhte"), ("do", "bhte"), ("dq", "bhtd"),
-                         ("dk", "bhtd"), ("dv", "bhte"), ("s0", "bhde"), ("g", "bhde")):
-        for axis in axes:
-            signature[f"stride_{tensor}{axis}"] = "i32"
-    constexprs = {"BLOCK_D": fused["BLOCK_D"], "BLOCK_E": fused["BLOCK_E"], "CHUNK": fused["CHUNK"],
-                  "INTERPRETED": False}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return {"kernel": chunked_backward_kernel, "signature": signature, "constexprs": constexprs,
-            "num_warps": fused["num_warps"], "num_stages": fused["num_stages"]}

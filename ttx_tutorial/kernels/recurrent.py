@@ -255,8 +255,6 @@ TUNING_CANDIDATES = (
 #: (launches recorded or compiled on a machine without one).
 _NOMINAL_LIMITS = (132, 232448)
 
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
 
 def check_config(config):
     """A TypeError or ValueError naming the key and its limit for a config the kernels cannot run:
@@ -593,7 +591,7 @@ def _resolved(q, k, v, initial_state):
     """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
     kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
     if initial_state is not None:
-        initial_state = initial_state.resolve_neg().to(torch.float32)
+        initial_state = initial_state.resolve_neg()
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
@@ -605,6 +603,8 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
     by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
+    if initial_state is not None:  # the API converts it once, before calling _run_validated
+        initial_state = initial_state.float()
     return _run_validated(q, k, v, initial_state, config)
 
 
@@ -618,51 +618,3 @@ def _run_validated(q, k, v, initial_state=None, config=None):
         return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config)
-
-
-def _signature(dtype: torch.dtype, walk: str = "tokens", parts: bool = False) -> dict:
-    """The launch signature of one walk's kernel; ``parts``: o is the block walk's float32 parts."""
-    tensor = "*" + _TRITON_DTYPES[dtype]
-    signature = {"q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "o_ptr": "*fp32" if parts else tensor,
-                 "initial_state_ptr": "*fp32", "final_state_ptr": "*fp32"}
-    scalars = ["T", "H", "D", "E", "reverse", "has_initial_state", "store_final_state"]
-    scalars += [f"stride_{x}{axis}" for x in "qk" for axis in "bhtd"]
-    scalars += [f"stride_{x}{axis}" for x in "vo" for axis in "bhte"]
-    scalars += [f"stride_s0{axis}" for axis in "bhde"]
-    scalars += ["stride_o_split"] if walk == "blocks" else []
-    signature.update({name: "i32" for name in scalars})
-    blocks = ("BLOCK_D", "BLOCK_E", "COLS", "UNROLL") if walk == "tokens" else ("BLOCK_D", "BLOCK_E", "BLOCK_T")
-    signature.update({name: "constexpr" for name in (*blocks, "NUM_STAGES")})
-    return signature
-
-
-def _variant(dtype: torch.dtype, block_d: int, cfg: dict) -> dict:
-    """The launch ``_launch`` makes for a (padded) key dimension ``block_d`` with config ``cfg``."""
-    if cfg["WALK"] == "tokens":
-        kernel, parts = recurrent_tokens_kernel, False
-        constexprs = {"BLOCK_D": block_d, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"], "UNROLL": cfg["UNROLL"]}
-    else:
-        kernel, parts = recurrent_blocks_kernel, cfg["BLOCK_D"] < block_d
-        constexprs = {"BLOCK_D": min(cfg["BLOCK_D"], block_d), "BLOCK_E": cfg["BLOCK_E"], "BLOCK_T": cfg["BLOCK_T"]}
-    return {"kernel": kernel, "signature": _signature(dtype, cfg["WALK"], parts),
-            "constexprs": {**constexprs, "NUM_STAGES": cfg["num_stages"]},
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-
-
-def launch_variants():
-    """Every kernel launch the wrappers can make: a list of dicts
-    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
-     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
-    covering each dtype and each config the wrapper's rule can choose. CI compiles them all for
-    sm_80 and sm_90 without a GPU."""
-    variants = []
-    for dtype in _TRITON_DTYPES:
-        # On a GPU the rule's choice depends only on BLOCK_D, the dtype and on whether the grid
-        # fills the card (heads 1 or 4096). The candidates are timed at D = 64 and 128.
-        configs = [(block_d, default_config(1, heads, block_d, 64, dtype, _NOMINAL_LIMITS[0]))
-                   for block_d in (16, 32, 64, 128, 256) for heads in (1, 4096)]
-        configs += [(block_d, dict(candidate)) for block_d in (64, 128) for candidate in TUNING_CANDIDATES]
-        for variant in (_variant(dtype, block_d, cfg) for block_d, cfg in configs):
-            if variant not in variants:
-                variants.append(variant)
-    return variants

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import threading
 from dataclasses import dataclass, replace
@@ -417,7 +416,7 @@ def check_config(config):
             raise ValueError(f"config {key} must be at least 1, got {value}")
 
 
-#: Head dimensions the candidates are meant for (``launch_variants`` compiles them for these).
+#: Head dimensions the candidates are meant for.
 _TUNED_HEAD_DIMS = (64, 128)
 #: Pass-3 programs per multiprocessor the segment length aims for: several let one program's
 #: loads overlap another's products, and more than one wave evens out their finishing times.
@@ -568,7 +567,6 @@ class _States:
         """S_0 for every walk position; None becomes one zero shared through zero strides."""
         if state is None:
             return _States(_zero(device), (0, 0, 0, 0, 0))
-        state = state.float()
         sb, sh, sd, se = state.stride()
         return _States(state, (sb, sh, 0, sd, se))
 
@@ -826,7 +824,7 @@ def _resolved(q, k, v, initial_state):
     """The inputs with any negative bit materialised (a view such as ``x.conj().imag`` has one): the
     kernels read raw storage, which holds the values before negation. A no-op for ordinary tensors."""
     if initial_state is not None:
-        initial_state = initial_state.resolve_neg().to(torch.float32)
+        initial_state = initial_state.resolve_neg()
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
@@ -838,6 +836,8 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None):
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
     by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
     check_inputs(q, k, v, initial_state)
+    if initial_state is not None:  # the API converts it once, before calling _run_validated
+        initial_state = initial_state.float()
     return _run_validated(q, k, v, initial_state, config)
 
 
@@ -851,75 +851,3 @@ def _run_validated(q, k, v, initial_state=None, config=None):
         return _ScanCausalProduct.apply(q, k, v, initial_state, config)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, config)[:2]
-
-
-def _ints(names):
-    """Signature entries of integer arguments, for ``launch_variants``."""
-    return dict.fromkeys(names.split(), "i32")
-
-
-def _strides(tensor, axes):
-    """Signature entries of the strides ``stride_<tensor><axis>``, for ``launch_variants``."""
-    return _ints(" ".join(f"stride_{tensor}{axis}" for axis in axes))
-
-
-def launch_variants():
-    """Every kernel launch the wrappers can make: a list of dicts
-    {"kernel": jit_fn, "signature": {arg: "*bf16" | "i32" | "fp32" | "constexpr", ...},
-     "constexprs": {NAME: value}, "num_warps": int, "num_stages": int}
-    covering each dtype and each config the wrapper's rule can choose (every BLOCK_D and BLOCK_E
-    from 16 to 256) and the ``TUNING_CANDIDATES`` for bfloat16 at D = E = 64 and 128. Each entry
-    serves both walking directions (``reverse`` is a runtime flag)."""
-    pointer = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-    block_sizes = (16, 32, 64, 128, 256)
-    launches = set()  # (dtype, BLOCK_D, CHUNK, BLOCK_E, num_warps, num_stages)
-    for dtype in pointer:
-        configs = [(block_d, _default_blocks(block_d, block_e, dtype))  # D, E = the block sizes
-                   for block_d, block_e in itertools.product(block_sizes, block_sizes)]
-        if dtype == torch.bfloat16:  # the candidates are for benchmarks, which run bfloat16
-            configs += [(head_dim, {**_default_blocks(head_dim, head_dim, dtype), **candidate})
-                        for candidate, head_dim in itertools.product(TUNING_CANDIDATES, _TUNED_HEAD_DIMS)]
-        launches.update((dtype, block_d, *(config[key] for key in CONFIG_KEYS if key != "SEGMENT_LEN"))
-                        for block_d, config in configs)
-
-    variants = []
-    sizes = _ints("T H D E segment_len n_segments reverse")
-    for dtype, block_d, chunk, block_e, warps, stages in sorted(launches, key=str):
-        constexprs = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk,
-                      "INTERPRETED": False}  # True only under the interpreter, never compiled
-        summaries = {"k_ptr": pointer[dtype], "v_ptr": pointer[dtype], "states_ptr": "*fp32",
-                     "initial_state_ptr": "*fp32", "arrivals_ptr": "*i32", **sizes,
-                     **_strides("k", "bhtd"), **_strides("v", "bhte"), **_strides("s0", "bhde")}
-        outputs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), pointer[dtype]),
-                   "start_ptr": "*fp32", "final_state_ptr": "*fp32", **sizes,
-                   **_strides("q", "bhtd"), **_strides("k", "bhtd"), **_strides("v", "bhte"),
-                   **_strides("o", "bhte"), **_strides("s", "bhwde")}
-        for kernel, signature in ((scan_summaries_kernel, summaries), (scan_outputs_kernel, outputs)):
-            variants.append({"kernel": kernel,
-                             "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
-                             "constexprs": constexprs, "num_warps": warps, "num_stages": stages})
-
-    # The fused backward: 16-bit heads up to 64 wide, with the CHUNK of every rule and candidate.
-    fused_launches = set()
-    for dtype in _FUSED_BACKWARD_DTYPES:
-        for block_d, block_e in itertools.product((16, 32, 64), repeat=2):
-            chunks = {_default_blocks(block_d, block_e, dtype)["CHUNK"]}
-            if dtype == torch.bfloat16 and block_d == block_e == 64:
-                chunks |= {candidate.get("CHUNK", 64) for candidate in TUNING_CANDIDATES}
-            for chunk in chunks:
-                fused = fused_backward_config(block_d, block_e, dtype, {"CHUNK": chunk})
-                fused_launches.add((dtype, *(fused[key] for key in ("BLOCK_D", "BLOCK_E", "CHUNK", "num_warps",
-                                                                     "num_stages"))))
-    for dtype, block_d, block_e, chunk, warps, stages in sorted(fused_launches, key=str):
-        constexprs = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "INTERPRETED": False}
-        signature = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"),
-                                     pointer[dtype]),
-                     "forward_start_ptr": "*fp32", "suffix_start_ptr": "*fp32", "ds0_ptr": "*fp32",
-                     **_ints("T H D E segment_len n_segments compute_dq"),
-                     **_strides("q", "bhtd"), **_strides("k", "bhtd"), **_strides("v", "bhte"),
-                     **_strides("do", "bhte"), **_strides("dq", "bhtd"), **_strides("dk", "bhtd"),
-                     **_strides("dv", "bhte"), **_strides("f", "bhwde"), **_strides("r", "bhwde"),
-                     **dict.fromkeys(constexprs, "constexpr")}
-        variants.append({"kernel": scan_backward_kernel, "signature": signature, "constexprs": constexprs,
-                         "num_warps": warps, "num_stages": stages})
-    return variants
