@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import test_recorded_data as recorded_invariants
 import ttx_tutorial
@@ -23,6 +24,8 @@ DATA = ROOT / "ttx_tutorial" / "course" / "data" / "h200.json"
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     """One quick run in a fresh process in CPU mode, recording into a copy of the data file."""
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"CPU mode runs on Triton 3.9's interpreter; triton {triton.__version__}'s fails inside the kernels")
     folder = tmp_path_factory.mktemp("bench")
     # A copy of the recorded data. A file holds one device's figures: this copy stands for the
     # CPU's, and keeps the GPU's rows.

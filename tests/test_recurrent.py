@@ -200,6 +200,29 @@ def test_config_without_walk_takes_the_walk_that_reads_its_keys():
     assert recurrent._resolve_config(q, v, {"BLOCK_E": 2})["WALK"] == rule  # both read it
 
 
+# Prepended to the children below (run outside the interpreter): the launch a wrapper really
+# makes, recorded instead of run, and compiled for sm_90 with its real arguments.
+_RECORD_AND_COMPILE = """
+        import torch
+        import ttx_tutorial
+        from ttx_tutorial.course import compiler
+        from ttx_tutorial.kernels import recurrent
+
+
+        def compile_recorded_launch(kernel, B, H, T, D, with_state):
+            launches = []
+            kernel.run = lambda *args, grid, warmup, **kwargs: launches.append((args, kwargs))
+            q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+            recurrent._run_validated(q, k, v, torch.zeros(B, H, D, D) if with_state else None)
+            del kernel.run
+            assert len(launches) == 1, len(launches)
+            args, kwargs = launches[0]
+            result = compiler.compile_launch(kernel, *args, target="sm_90", **kwargs)
+            assert result.ok, result.summary()
+            return result
+"""
+
+
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 def test_default_bf16_launch_pipelines_every_load(with_state):
     """The performance-critical shape of the compiled kernel (see the caveats of the module docstring).
@@ -209,33 +232,11 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
     through shared memory, and the state's layout must give each thread 8 contiguous D elements of COLS
     columns, so that one k and q load serves COLS columns and the sum over D needs only 3 warp
     shuffles per column."""
-    result = run_python(f"""
+    result = run_python(_RECORD_AND_COMPILE + f"""
         import re
-        import torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import ttx_tutorial
-        from ttx_tutorial.kernels import recurrent
 
         cfg = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
-        signature = recurrent._signature(torch.bfloat16)
-        names = list(signature)
-        constexprs = {{"BLOCK_D": 64, "BLOCK_E": cfg["BLOCK_E"], "COLS": cfg["COLS"],
-                       "UNROLL": cfg["UNROLL"], "NUM_STAGES": cfg["num_stages"]}}
-        # What the launcher specialises: integers equal to 1 (unit strides, including the D
-        # stride the wrapper gives every state, and the flags that are on) become constants;
-        # pointers and the other integers, all multiples of 16 here (or 0), divisible by 16.
-        ones = ["stride_qd", "stride_kd", "stride_ve", "stride_oe", "stride_s0d", "store_final_state"]
-        ones += ["has_initial_state"] if {with_state} else []
-        for name in ones:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        divisible = [i for i, n in enumerate(names) if signature[n] != "constexpr" and n != "T"]
-        attrs = {{(i,): [["tt.divisibility", 16]] for i in divisible}}
-        source = ASTSource(recurrent.recurrent_tokens_kernel, signature=signature, constexprs=constexprs,
-                           attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={{"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
+        compiled = compile_recorded_launch(recurrent.recurrent_tokens_kernel, 8, 16, 4096, 64, {with_state})
         lines = compiled.asm["ttgir"].splitlines()
 
         def loop_body(start):
@@ -254,7 +255,7 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
         print("plain loads in the loop:", loop.count("tt.load "))
         print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
         tiles = recurrent._shared_memory_bytes(64, cfg, 2)
-        print("shared memory beyond the pipelined tiles:", compiled.metadata.shared - tiles)
+        print("shared memory beyond the pipelined tiles:", compiled.shared_bytes - tiles)
         print("reduced layouts:", sorted({{layouts[name] for name in reduced}}))
     """)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -274,26 +275,13 @@ def test_few_heads_block_walk_compiles_to_an_in_thread_scan():
     launched on aligned (1, 8, T, 64) bf16 tensors, every load of the block loop is an
     asynchronous copy, the cumsum runs along registers of one thread (a scan across lanes would
     cost shuffles at every step) and nothing spills."""
-    result = run_python("""
+    result = run_python(_RECORD_AND_COMPILE + """
         import re, subprocess, os
-        import torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import ttx_tutorial
-        from ttx_tutorial.kernels import recurrent
+        import triton
 
         cfg = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
         assert cfg["WALK"] == "blocks", cfg
-        variant = recurrent._variant(torch.bfloat16, 64, cfg)
-        signature, constexprs = dict(variant["signature"]), dict(variant["constexprs"])
-        for name in ["stride_qd", "stride_kd", "stride_ve", "stride_oe", "store_final_state"]:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        divisible = [i for i, n in enumerate(signature) if signature[n] != "constexpr" and n != "T"]
-        source = ASTSource(variant["kernel"], signature=signature, constexprs=constexprs,
-                           attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]})
+        compiled = compile_recorded_launch(recurrent.recurrent_blocks_kernel, 1, 8, 4096, 64, False)
         ttgir = compiled.asm["ttgir"]
         lines = ttgir.splitlines()
 

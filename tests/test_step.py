@@ -53,8 +53,8 @@ def token_inputs(B, H, D, E, dtype, normalize, *, positive=False, seed=None):
     return q, k, v, state
 
 
-def check_step(feature, normalize, dtype, B=2, H=3, D=20, E=37, eps=1e-6):
-    q, k, v, state = token_inputs(B, H, D, E, dtype, normalize, positive=feature == "identity")
+def check_step(feature, normalize, dtype, B=2, H=3, D=20, E=37, eps=1e-6, seed=None):
+    q, k, v, state = token_inputs(B, H, D, E, dtype, normalize, positive=feature == "identity", seed=seed)
     expected_out, expected_state = step64(q, k, v, state, FEATURES[feature], normalize, eps)
     pointer = state.data_ptr()
     with torch.no_grad(), poisoned_allocations():
@@ -221,9 +221,16 @@ def test_checks_skipped_for_a_known_signature_still_see_what_changes():
         ttx_tutorial.linear_attention_step(**{**arguments, "v": arguments["v"].clone().requires_grad_()})
 
 
-# --------------------------------------------------------------------------- GPU compilation
-
 # --------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, E", [(128, 256), (256, 256), (64, 64)])
+def test_gpu_every_thread_reads_the_state_before_any_writes_it(D, E):
+    """The threads of a program that hold copies of one state element must all read it before
+    one of them stores the update: without that, a late reader adds k twice to z, which leaves
+    the state right and the output wrong, on some launches only. So many launches are checked."""
+    for seed in range(50):
+        check_step("elu", True, torch.float32, B=4, H=8, D=D, E=E, seed=seed)
 
 @pytest.mark.gpu
 def test_gpu_step_replays_from_a_cuda_graph_at_the_generation_shape():

@@ -138,6 +138,8 @@ class CompileResult:
     #: when refused: the exception class, e.g. ``"CompilationError"``.
     error_type: str | None = None
     ptx: str | None = None
+    #: every stage Triton kept (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``), when compiled.
+    asm: dict | None = None
     #: shared memory one block needs, in bytes (Triton's ``metadata.shared``).
     shared_bytes: int | None = None
 
@@ -513,7 +515,8 @@ def compile_launch(kernel, *args, target="sm_90", **kwargs) -> CompileResult:
         except _REFUSALS as error:
             return CompileResult(ok=False, message=_refusal_message(error), full_message=str(error),
                                  error_type=type(error).__name__, **common)
-    return CompileResult(ok=True, ptx=compiled.asm["ptx"], shared_bytes=int(compiled.metadata.shared), **common)
+    return CompileResult(ok=True, ptx=compiled.asm["ptx"], asm=dict(compiled.asm),
+                         shared_bytes=int(compiled.metadata.shared), **common)
 
 
 # --------------------------------------------------------------------------- tl.dot shapes

@@ -116,10 +116,14 @@ def step_kernel(
         mask_s = mask_d[:, None] & mask_e[None, :]
         s_tile_ptr = state_row_ptr[:, None] + offs_e[None, :]
         b_s = tl.load(s_tile_ptr, mask=mask_s, other=0.0) + b_k[:, None] * b_v[None, :]
+        if NORMALIZE:
+            b_z = tl.load(state_row_ptr + E, mask=mask_d, other=0.0) + b_k
+        # Several threads hold copies of a z element (and may of a tile element): every thread
+        # must have read the old state before any writes the new one, or a late reader adds k twice.
+        tl.debug_barrier()
         tl.store(s_tile_ptr, b_s, mask=mask_s)
         b_numerator += tl.sum(b_s * b_q[:, None], axis=0)
         if NORMALIZE:
-            b_z = tl.load(state_row_ptr + E, mask=mask_d, other=0.0) + b_k
             tl.store(state_row_ptr + E, b_z, mask=mask_d)
             b_denominator += b_z * b_q
     b_o = b_numerator
