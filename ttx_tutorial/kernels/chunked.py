@@ -19,8 +19,8 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
-``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: it must span fewer than
-2**31 elements.
+``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: its last
+element must sit at an offset below 2**31.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32 (TF32 would
 cost about 1e-3); bfloat16 rounds the float32 state and scores to bfloat16 (same exponent range);
 float16 keeps them in float32 (TF32 products, exact for float16 inputs), since a long sequence
@@ -412,7 +412,7 @@ _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
-    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
+    """(multiprocessors, opt-in shared memory per block) of a GPU; an H100/H200's elsewhere."""
     if device.type != "cuda":
         return _NOMINAL_LIMITS
     properties = torch.cuda.get_device_properties(device)
@@ -438,7 +438,7 @@ def _launch(q, k, v, initial_state, *, reverse, config):
         multiprocessors = None
     chosen = _cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
                                     shared_memory=shared_memory)
-    if config is not None:  # checked by chunked_causal_product
+    if config is not None:  # checked by check_config in _run_validated
         chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the

@@ -19,7 +19,7 @@ flags are runtime integers, so one compiled kernel per tile configuration serves
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
-slice are int32: it must span fewer than 2**31 elements. Inputs float32, float16 or bfloat16;
+slice are int32: its last element must sit at an offset below 2**31. Inputs float32, float16 or bfloat16;
 products and the state in float32; o in the input dtype.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
@@ -314,7 +314,7 @@ def _blocks_config(D: int) -> dict:
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
-    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
+    """(multiprocessors, opt-in shared memory per block) of a GPU; an H100/H200's elsewhere."""
     if device.type != "cuda":
         return _NOMINAL_LIMITS
     properties = torch.cuda.get_device_properties(device)

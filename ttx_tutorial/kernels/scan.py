@@ -24,7 +24,7 @@ wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
-inside one (batch, head) slice are int32: it must span fewer than 2**31 elements. The forward
+inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
 keeps its start states, B*H*NS*D*E float32, for the backward.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
 rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
@@ -427,7 +427,7 @@ _NOMINAL_LIMITS = (132, 232448)
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
-    """(multiprocessors, shared memory per block, opt-in) of a GPU; an H100/H200's elsewhere."""
+    """(multiprocessors, opt-in shared memory per block) of a GPU; an H100/H200's elsewhere."""
     if device.type != "cuda":
         return _NOMINAL_LIMITS
     properties = torch.cuda.get_device_properties(device)

@@ -1,54 +1,34 @@
 """One token of causal linear attention in one launch: the generation step of an RNN-style decoder.
 
-Algorithm
-    The recurrence of Katharopoulos et al., "Transformers are RNNs" (ICML 2020), advanced by
-    one token, with the feature map phi applied inside the kernel::
+Computes the recurrence of Katharopoulos et al., "Transformers are RNNs" (ICML 2020), advanced
+by one token, with the feature map phi applied inside the kernel::
 
-        S <- S + phi(k) v^T            (D x E)         z <- z + phi(k)          (D)
-        o  = phi(q)^T S / (phi(q)^T z + eps)           (normalize)
-        o  = phi(q)^T S                                (not normalize)
+    S <- S + phi(k) v^T   (D x E)        z <- z + phi(k)   (D)
+    o  = phi(q)^T S / (phi(q)^T z + eps)   (normalize; eps added once, to the finished denominator)
+    o  = phi(q)^T S                        (not normalize)
 
-    eps is added once, to the finished denominator. One program owns one (batch, head) pair and
-    one block of value columns; it walks D in blocks of ``BLOCK_D`` rows, adds the outer product
-    to its rows of the state in place, and sums the rows' contributions to o in float32. No
-    ``tl.dot``: one query row would waste the tensor cores. z is shared by every value column,
-    so when normalising one program covers all of E: programs of other value blocks could read
-    z after it had been updated, and nothing orders programs within a launch.
-
-Shapes and layouts
-    q, k: (B, H, D); v: (B, H, E); any strides. state: (B, H, D, E + 1) float32 with z as the
-    last column when normalising, (B, H, D, E) otherwise; contiguous, since it is written in
-    place (an expanded or overlapping view would have several heads add into one element).
-    o: (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit.
-
-Feature maps (``FEATURE_MAP``, a constexpr)
-    "elu" (elu(x) + 1, computed as x + 1 for x > 0 and exp(x) otherwise), "relu", "identity";
-    computed in float32 from the loaded inputs. Other maps are applied by the caller, who then
-    passes "identity".
-
-Dtypes
-    q, k, v: one of float32, float16, bfloat16; the state and every sum float32.
-
-Scope
-    Inference only: the state is updated in place and there is no backward, so
-    ``step_update`` refuses inputs that autograd would need a gradient for; training runs the
-    whole sequence through a causal product. The contract's ``<family>_causal_product``,
-    ``_run_validated`` over (q, k, v, initial_state) and its ``torch.autograd.Function`` do
-    not apply; the entry is ``step_update``. No tuning config: one launch per token of a few
-    kilobytes per head, whose cost is the launch itself.
-
-Tested
-    Correctness under the Triton 3.9 interpreter (CPU); compiled for sm_80 and sm_90 without a
-    GPU with Triton 3.9 (``tests/test_step.py``); written for Triton 3.6 on an H200.
-
-Fragile
-    * The host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
-      ``step_update`` runs the full checks once per signature of its arguments (shapes, dtypes,
-      devices, options) and only what can change between calls of one signature (contiguity of
-      the state, autograd) every time. Capture the step in a CUDA graph to remove the host.
-    * Under the interpreter every call of a library ``@triton.jit`` function (``tl.sum``,
-      ``tl.zeros``) re-patches triton.language, a large part of a CPU-mode step: the kernel
-      calls ``tl.sum`` twice and no helper of its own.
+One program owns one (batch, head) pair and one block of value columns; it walks D in blocks of
+``BLOCK_D`` rows, adds the outer product to its rows of the state in place and sums their
+contributions to o in float32. No ``tl.dot``: one query row would waste the tensor cores. z is
+shared by every value column, so when normalising one program covers all of E (nothing orders
+programs within a launch).
+Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
+last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
+(B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
+float16 or bfloat16. Feature maps (``FEATURE_MAP``, a constexpr): "elu" (x + 1 for x > 0, else
+exp(x)), "relu", "identity", in float32; a caller's own map is applied first, then "identity".
+Scope: inference only (no backward: ``step_update`` refuses inputs that autograd would need a
+gradient for; training runs the whole sequence through a causal product). The contract's
+``<family>_causal_product``, ``_run_validated``, autograd Function and ``config`` do not apply,
+and the file asks the driver nothing.
+Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90
+(``tests/test_compile_targets.py``); GPU runs with Triton 3.6.
+Caveats: the host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
+full checks run once per signature of the arguments, and only what can change between calls of
+one signature (the state's contiguity, autograd) every time; capture the step in a CUDA graph to
+remove the host. Threads holding copies of a state element must all read it before any writes
+it (a barrier). Under the interpreter each call of a library ``@triton.jit`` function
+(``tl.sum``) re-patches triton.language, a large part of a CPU-mode step.
 """
 
 from __future__ import annotations
@@ -76,6 +56,7 @@ def step_kernel(
     BLOCK_D: tl.constexpr,  # state rows per iteration (power of two)
     BLOCK_E: tl.constexpr,  # value columns per program (power of two)
 ):
+    """Adds phi(k) v^T (and phi(k) to z) to one head's state in place; writes o for its value block."""
     # One flat grid, value block fastest (as in the causal-product kernels).
     num_e_blocks = (E + BLOCK_E - 1) // BLOCK_E
     pid_e = tl.program_id(0) % num_e_blocks
