@@ -53,7 +53,7 @@ JOBS = max(1, int(os.environ.get("TTX_COMPILE_JOBS") or os.cpu_count() or 1))
 COVERAGE_HEAD_DIMS = [(1, 1), (16, 16), (17, 33), (64, 64), (65, 129), (128, 128), (1, 256), (256, 1),
                       (200, 256), (256, 256)]
 COVERAGE_SHAPES = [(1, 1, 1), (1, 1, 100), (2, 3, 777), (4, 16, 5000)]  # (B, H, T)
-LONG_T = 2**20 + 100
+LONG_T = 4096 * 64 + 100  # past 4096 chunks of the default rule's 64 tokens (chunked's carry)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -80,12 +80,13 @@ def wrapper_calls(module):
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True):
         def thunk():
-            q = torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True)
-            k = torch.zeros(B, H, T, D, dtype=dtype, requires_grad=True)
-            v = torch.zeros(B, H, T, E, dtype=dtype, requires_grad=True)
-            s0 = torch.zeros(B, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
+            # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
+            q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
+            k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
+            v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=True)
+            s0 = torch.empty(B, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
             o, state = module._run_validated(q, k, v, s0, config=config)
-            torch.autograd.backward((o, state), (torch.zeros_like(o), torch.zeros_like(state)))
+            torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
                 "initial_state": with_state}
         calls.append((call, thunk))
@@ -115,9 +116,9 @@ def step_calls(step):
                 for D, E in COVERAGE_HEAD_DIMS:
                     for B, H in ((1, 1), (8, 16)):
                         def thunk(B=B, H=H, D=D, E=E, dtype=dtype, feature_map=feature_map, normalize=normalize):
-                            q, k = torch.zeros(B, H, D, dtype=dtype), torch.zeros(B, H, D, dtype=dtype)
-                            v = torch.zeros(B, H, E, dtype=dtype)
-                            state = torch.zeros(B, H, D, E + normalize)
+                            q, k = torch.empty(B, H, D, dtype=dtype), torch.empty(B, H, D, dtype=dtype)
+                            v = torch.empty(B, H, E, dtype=dtype)
+                            state = torch.empty(B, H, D, E + normalize)
                             step._launch(q, k, v, state, feature_map, normalize, 1e-6)
                         call = {"shape": [B, H, 1, D, E], "dtype": str(dtype).removeprefix("torch."),
                                 "config": None, "feature_map": feature_map, "normalize": normalize}
