@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial import bench  # noqa: E402
 from ttx_tutorial.course.figures import time_ms  # noqa: E402
 from ttx_tutorial.kernels import step as step_kernels  # noqa: E402
 from ttx_tutorial.testing import random_inputs, relative_error  # noqa: E402
@@ -53,19 +54,8 @@ ON_GPU = ttx_tutorial.on_gpu()
 
 
 def graph_ms(fn):
-    """Median ms of fn replayed from a CUDA graph: the GPU's time alone."""
-    if not ON_GPU:
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay)
+    """Median ms of fn replayed from a CUDA graph: the GPU's time alone (the bench's definition)."""
+    return bench.graph_ms(fn) if ON_GPU else None
 
 
 def busy_ms(fn, calls=20):
@@ -82,14 +72,6 @@ def busy_ms(fn, calls=20):
         torch.cuda.synchronize()
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     return total_us / calls / 1e3
-
-
-def call_ms(fn):
-    if ON_GPU:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    return time_ms(fn, cpu_repeats=3)
 
 
 def loop_ms(fn, calls=2000):
@@ -212,7 +194,7 @@ def main():
                 forward, step = forward_and_backward(fn, inputs)
                 compiled = name.startswith("compiled")
                 for mode, call in (("fwd", forward), ("fwd+bwd", step)):
-                    ms = call_ms(call)
+                    ms = time_ms(call)
                     gpu = busy_ms(call) if compiled else graph_ms(call)
                     timings.setdefault((name, mode), []).append((ms, gpu))
             except RuntimeError as error:  # recorded, and the other rows still measured

@@ -435,14 +435,20 @@ def compile_for_target(kernel, signature, constexprs=None, *, target="sm_90", nu
     with _compilable(kernel) as jit_fn:
         _check_signature(jit_fn, signature, constexprs)
         source = ASTSource(jit_fn, signature=dict(signature), constexprs=dict(constexprs or {}))
-        common = dict(kernel_name=jit_fn.__name__, target=facts.name, num_warps=num_warps, num_stages=num_stages)
-        try:
-            compiled = triton.compile(source, target=facts.gpu_target,
-                                      options={"num_warps": num_warps, "num_stages": num_stages})
-        except _REFUSALS as error:
-            return CompileResult(ok=False, message=_refusal_message(error), full_message=str(error),
-                                 error_type=type(error).__name__, **common)
-    return CompileResult(ok=True, ptx=compiled.asm["ptx"], shared_bytes=int(compiled.metadata.shared), **common)
+        return _compiled(source, facts, {"num_warps": num_warps, "num_stages": num_stages}, jit_fn.__name__)
+
+
+def _compiled(source, facts: TargetFacts, options: dict, kernel_name: str) -> CompileResult:
+    """``triton.compile`` of ``source`` for ``facts``' GPU; a refusal is reported in the result."""
+    common = dict(kernel_name=kernel_name, target=facts.name, num_warps=options["num_warps"],
+                  num_stages=options["num_stages"])
+    try:
+        compiled = triton.compile(source, target=facts.gpu_target, options=options)
+    except _REFUSALS as error:
+        return CompileResult(ok=False, message=_refusal_message(error), full_message=str(error),
+                             error_type=type(error).__name__, **common)
+    return CompileResult(ok=True, ptx=compiled.asm["ptx"], asm=dict(compiled.asm),
+                         shared_bytes=int(compiled.metadata.shared), **common)
 
 
 @dataclass(frozen=True)
@@ -507,16 +513,8 @@ def compile_launch(kernel, *args, target="sm_90", **kwargs) -> CompileResult:
     and the alignment hints are those of a GPU run. Tensors may live on the CPU; nothing runs."""
     facts = target_facts(target)
     with _compilable(kernel) as jit_fn:
-        binding, source, options = _launch_binding(jit_fn, facts, args, kwargs)
-        common = dict(kernel_name=jit_fn.__name__, target=facts.name, num_warps=binding.num_warps,
-                      num_stages=binding.num_stages)
-        try:
-            compiled = triton.compile(source, target=facts.gpu_target, options=options.__dict__)
-        except _REFUSALS as error:
-            return CompileResult(ok=False, message=_refusal_message(error), full_message=str(error),
-                                 error_type=type(error).__name__, **common)
-    return CompileResult(ok=True, ptx=compiled.asm["ptx"], asm=dict(compiled.asm),
-                         shared_bytes=int(compiled.metadata.shared), **common)
+        _, source, options = _launch_binding(jit_fn, facts, args, kwargs)
+        return _compiled(source, facts, options.__dict__, jit_fn.__name__)
 
 
 # --------------------------------------------------------------------------- tl.dot shapes
