@@ -31,7 +31,7 @@ def _run(q, k, v, initial_state, method):
     from .api import AUTO, choose_method, method_info  # api imports this module
 
     info = method_info(choose_method(q, v) if method == AUTO else method)
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
             return info.function(q, k, v, initial_state)
     return info.function(q, k, v, initial_state)
