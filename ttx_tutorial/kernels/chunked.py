@@ -681,7 +681,9 @@ def _launch_guard():
     if not triton.knobs.runtime.interpret:
         return contextlib.nullcontext()
     from triton.runtime import interpreter
-    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    shared = vars(interpreter)
+    lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
+    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
 
 
 def _resolved(q, k, v, initial_state):
