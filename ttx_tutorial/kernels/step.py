@@ -13,7 +13,8 @@ contributions to o in float32. No ``tl.dot``: one query row would waste the tens
 shared by every value block: each program reads the old z and computes the denominator itself
 (D products), and the head's last program to finish, counted by an integer atomic, writes the
 new z, once every other one has read the old (nothing else orders programs within a launch).
-The counters, one int32 per head, belong to the state: zeros at rest, reset by that last program.
+The counters, one int32 per head, belong to the state: zeros at rest, reset by that last program,
+kept on the state tensor (pass the same tensor token after token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
 last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
 (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
