@@ -2,8 +2,9 @@
 
 A forward call whose inputs need no gradient skips ``torch.autograd.Function`` (its bookkeeping
 was a large part of a small call's time on the H200), and the launch-configuration rules are
-cached. Checked here: the shortcut gives bit-identical o and S_T, and a ``config`` override never
-leaks into the cached rule that later calls share.
+cached per shape. Checked here: the shortcut gives bit-identical o and S_T, a ``config`` override
+never leaks into the cached rule or launch plan that later calls share, and the operator's
+backward (what ``torch.compile`` runs) gives the eager gradients without a second forward pass.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 import ttx_tutorial
 from _strategies import TRITON_METHODS
-from ttx_tutorial import testing
+from ttx_tutorial import ops, testing
 from ttx_tutorial.kernels import chunked, recurrent
 
 SHAPE = (1, 2, 37, 12, 20)  # B, H, T, D, E: two chunks and a partial one of 16 tokens
@@ -60,3 +61,57 @@ def test_config_overrides_leave_the_cached_rules_untouched(device):
     recurrent.recurrent_causal_product(q, k, v, config={"UNROLL": 2, "BLOCK_E": 4})  # the tokens walk
     recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_T": 4, "BLOCK_E": 2})  # the blocks walk
     assert recurrent._resolve_config(q, v, None) == before
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self):
+        self.keywords = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.keywords.append((grid, kwargs))
+
+
+def test_launch_plans_are_per_shape_and_config(device, monkeypatch):
+    """The cached launch plan of a shape is the rule's; a config's keys apply to its own calls
+    only, and another T (which decides the compensated sum) gets its own plan."""
+    recorder = _Recorder()
+    monkeypatch.setattr(chunked, "chunked_kernel", recorder)
+    q, k, v = testing.random_inputs(*SHAPE, dtype=torch.bfloat16, device=device, seed=24)
+    chunked.chunked_causal_product(q, k, v)
+    chunked.chunked_causal_product(q, k, v, config={"CHUNK": 16, "BLOCK_E": 16})
+    chunked.chunked_causal_product(q, k, v)
+    (grid_rule, rule), (grid_config, configured), (grid_again, again) = recorder.keywords
+    assert (configured["CHUNK"], configured["BLOCK_E"]) == (16, 16)
+    assert again == rule and grid_again == grid_rule
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    assert grid_config == (B * H * -(-E // 16),)
+    long = chunked._launch_plan(B, H, 64 * (chunked.COMPENSATED_FROM_CHUNKS + 1), D, E, q.dtype,
+                                chunked._device_limits(q.device), ttx_tutorial.INTERPRETED, ())
+    assert long[1]["COMPENSATED"] and not rule["COMPENSATED"]
+
+
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_backward_runs_no_second_forward(method, dtype, device, monkeypatch):
+    """The operator's backward (what torch.compile calls) gives the eager backward's gradients,
+    bit for bit, without running the forward kernel again for chunked and recurrent."""
+    q, k, v, s0 = testing.random_inputs(*SHAPE, dtype=dtype, device=device, seed=25, initial_state=True)
+    grad_o = torch.randn(q.shape[:3] + v.shape[3:], generator=torch.Generator().manual_seed(26)).to(device, dtype)
+    grad_state = torch.randn_like(s0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    o, state = ttx_tutorial.causal_product(*leaves[:3], method, initial_state=leaves[3], return_state=True)
+    expected = torch.autograd.grad((o, state), leaves, (grad_o, grad_state))
+
+    autograd_function = ops._BACKWARD_FROM_INPUTS[method]
+    forwards = []
+    real_forward = autograd_function.forward
+    monkeypatch.setattr(autograd_function, "forward",
+                        staticmethod(lambda *args: forwards.append(1) or real_forward(*args)))
+    with testing.poisoned_allocations():
+        found = ops._causal_product_backward_op(q, k, v, s0, grad_o, grad_state, method)
+    assert forwards == []
+    for name, a, b in zip(("dq", "dk", "dv", "ds0"), found, expected):
+        assert torch.equal(a, b), name

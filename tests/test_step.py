@@ -86,6 +86,25 @@ def test_bfloat16_at_the_generation_shape():
     check_step("elu", True, torch.bfloat16, B=8, H=16, D=64, E=64)
 
 
+@pytest.mark.parametrize("E", [16, 37, 256])  # one, three and sixteen value blocks of 16
+def test_the_last_program_of_a_head_writes_z_and_resets_its_count(E):
+    """When normalising, each value block's program reads the old z and the head's last one to
+    finish writes the new z: token after token, z and the outputs stay right (the state must not
+    gain phi(k) twice or lose it), and the counts are back at zero after every launch."""
+    q, k, v, state = token_inputs(2, 3, 20, E, torch.float32, True, seed=E)
+    expected_state = state
+    with torch.no_grad():
+        for token in range(3):
+            q, k, v, _ = token_inputs(2, 3, 20, E, torch.float32, True, seed=E + token + 1)
+            expected_out, expected_state = step64(q, k, v, expected_state, FEATURES["elu"], True, 1e-6)
+            with poisoned_allocations():
+                out = ttx_tutorial.linear_attention_step(q, k, v, state)
+            assert_close(state, expected_state, torch.float32, f"state after token {token}")
+            assert_close(out, expected_out, torch.float32, f"output of token {token}")
+            counts = step._arrivals(state, 2 * 3)
+            assert counts.dtype == torch.int32 and torch.equal(counts, torch.zeros_like(counts))
+
+
 def test_eps_enters_the_denominator():
     # relu of a negative query is zero: the denominator is eps alone, and out = 0 / eps.
     q, k, v, state = token_inputs(1, 2, 8, 4, torch.float32, True)

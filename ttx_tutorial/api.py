@@ -128,13 +128,14 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
         raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be True or False, got {return_state!r}")
+    compiling = torch.compiler.is_compiling()
     if method == AUTO:
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT)
         # Under torch.compile the operator chooses at run time: the device query would break the graph.
-        info = method_info("chunked" if torch.compiler.is_compiling() else choose_method(q, v))
+        info = method_info("chunked" if compiling else choose_method(q, v))
     else:
         info = method_info(method)
         expected_device = _device.DEVICE.type if info.is_triton else None
@@ -146,11 +147,12 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
     cast = ops.autocast_dtype(q)
     if cast is not None:  # as PyTorch's attention does under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
-    if torch.compiler.is_compiling() and info.is_triton:  # one graph node, see ttx_tutorial.ops
+    if compiling and info.is_triton:  # one graph node, see ttx_tutorial.ops
         o, final_state = ops.causal_product_op(q, k, v, initial_state, method)
         return (o, final_state) if return_state else o
     implementation = info.function
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+    # is_cuda and get_device() are plain attribute reads, where q.device builds an object per call.
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
             o, final_state = implementation(q, k, v, initial_state)
     else:

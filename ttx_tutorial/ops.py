@@ -10,11 +10,11 @@ then has no graph break around it, and ``mode="reduce-overhead"`` can capture it
 ``ttx_tutorial.causal_product`` routes here by itself while ``torch.compile`` traces it; eager
 calls keep calling the kernel wrappers directly (no dispatcher on the way).
 
-The backward is a second operator, ``ttx_tutorial::causal_product_backward``. It re-runs the
-forward kernel under autograd before the kernel's own backward: the scan method's backward
-needs states its forward computed, and an operator can only hand plain tensors from forward to
-backward. Under ``torch.compile`` a forward and backward call therefore costs one forward pass
-more than in eager mode.
+The backward is a second operator, ``ttx_tutorial::causal_product_backward``. For "chunked"
+and "recurrent" it runs the kernel file's backward on the saved inputs alone, as in eager mode.
+The scan method's backward needs states its forward computed, and an operator can only hand
+plain tensors from forward to backward, so for "scan" (or "auto" where it chooses scan) it
+re-runs the forward kernel under autograd first: one forward pass more than in eager mode.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels import chunked, recurrent
+
+#: Methods whose backward reads only q, k, v and S_0: their autograd Function's backward runs on
+#: the inputs the operator saved, with no second forward pass.
+_BACKWARD_FROM_INPUTS = {"chunked": chunked._ChunkedCausalProduct, "recurrent": recurrent._RecurrentCausalProduct}
+
 
 def _run(q, k, v, initial_state, method):
     """The kernel wrapper's (o, final_state) for ``method`` ("auto" is resolved here, at run
@@ -31,7 +37,7 @@ def _run(q, k, v, initial_state, method):
     from .api import AUTO, choose_method, method_info  # api imports this module
 
     info = method_info(choose_method(q, v) if method == AUTO else method)
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
             return info.function(q, k, v, initial_state)
     return info.function(q, k, v, initial_state)
@@ -54,12 +60,39 @@ def _(q, k, v, initial_state, method):
     return q.new_empty((B, H, T, E), dtype=v.dtype), q.new_empty((B, H, D, E), dtype=torch.float32)
 
 
+class _SavedInputs:
+    """What an autograd Function's backward reads from its ctx, for calling it outside autograd."""
+
+    def __init__(self, q, k, v, initial_state):
+        self.saved_tensors = (q, k, v, initial_state)
+        self.needs_input_grad = (True, True, True, initial_state is not None, False)
+        self.config = None
+
+
 @torch.library.custom_op("ttx_tutorial::causal_product_backward", mutates_args=())
 def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
                                 grad_o: Tensor, grad_final_state: Optional[Tensor],
                                 method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from .api import AUTO, choose_method  # api imports this module
+
     B, H, _, D = q.shape
     E = v.shape[-1]
+    # "auto" chooses from the shapes and the device, so here as in the forward.
+    function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v) if method == AUTO else method)
+    if function is not None:
+        found = function.backward(_SavedInputs(q, k, v, initial_state), grad_o, grad_final_state)
+    else:
+        found = _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method)
+    dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
+    if initial_state is None:  # nothing to differentiate; the schema still returns a tensor, never read
+        ds0 = q.new_empty((B, H, D, E), dtype=torch.float32)
+    else:
+        ds0 = _laid_out_like(found[3].float(), initial_state.float())
+    return dq, dk, dv, ds0
+
+
+def _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method):
+    """(dq, dk, dv, dS_0 or None) through autograd on a second forward call (see the module docstring)."""
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         if initial_state is not None:
@@ -70,12 +103,7 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
             outputs.append(final_state)
             grads.append(grad_final_state)
         found = torch.autograd.grad(outputs, inputs, grads)
-    dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
-    if initial_state is None:  # nothing to differentiate; the schema still returns a tensor
-        ds0 = q.new_zeros((B, H, D, E), dtype=torch.float32)
-    else:
-        ds0 = _laid_out_like(found[3].float(), initial_state.float())
-    return dq, dk, dv, ds0
+    return (*found, None) if initial_state is None else found
 
 
 def _laid_out_like(grad, x):
@@ -86,6 +114,8 @@ def _laid_out_like(grad, x):
     heads are views), ``elu_backward``'s fake strides disagree with its real ones (PyTorch 2.13)
     and a traced view fails. The copy costs only inputs that are not contiguous.
     """
+    if grad.stride() == x.stride():  # a dense x keeps its strides in empty_like: nothing to allocate
+        return grad
     like = torch.empty_like(x)
     return grad if grad.stride() == like.stride() else like.copy_(grad)
 
@@ -101,6 +131,7 @@ def _(q, k, v, initial_state, grad_o, grad_final_state, method):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, initial_state, method = inputs
+    ctx.set_materialize_grads(False)  # an unused S_T's gradient stays None: no zeros to fill and read
     ctx.save_for_backward(q, k, v, initial_state)
     ctx.method = method
 

@@ -426,20 +426,33 @@ COMPENSATED_FROM_CHUNKS = 4096
 
 
 def _compensated(T, chunk, dtype):
-    return dtype != torch.float32 and triton.cdiv(T, chunk) > COMPENSATED_FROM_CHUNKS
+    return dtype != torch.float32 and -(-T // chunk) > COMPENSATED_FROM_CHUNKS  # chunks, rounded up
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, overrides):
+    """(grid, launch keywords) of ``chunked_kernel`` for one shape: the rule with the (checked)
+    ``overrides`` applied, then the constexprs. Pure, so cached: a call at a known shape skips the
+    rule's microseconds. The returned dict is shared; callers must not modify it."""
+    multiprocessors, shared_memory = limits
+    if interpreted:  # programs run one after another: no multiprocessors to fill
+        multiprocessors = None
+    chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
+                                       shared_memory=shared_memory), **dict(overrides)}
+    grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
+    return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
+                  "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, chosen["CHUNK"], dtype),
+                  "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
 
 
 def _launch(q, k, v, initial_state, *, reverse, config):
     """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    multiprocessors, shared_memory = _device_limits(q.device)
-    if triton.knobs.runtime.interpret:  # programs run one after another: no multiprocessors to fill
-        multiprocessors = None
-    chosen = _cached_default_config(D, E, q.dtype, heads=B * H, multiprocessors=multiprocessors,
-                                    shared_memory=shared_memory)
-    if config is not None:  # checked by check_config in _run_validated
-        chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
+    # config was checked by check_config in _run_validated; as sorted items it keys the cache.
+    grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
+                                         triton.knobs.runtime.interpret,
+                                         () if config is None else tuple(sorted(config.items())))
     o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
@@ -447,15 +460,12 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     # Without an initial state, final_state stands in for its pointer; the kernel never reads it.
     has_initial_state = initial_state is not None
     initial_state = initial_state if has_initial_state else final_state
-    grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     with _launch_guard():
         chunked_kernel[grid](
             q, k, v, o, initial_state, final_state,
             T, H, D, E, int(reverse), int(has_initial_state),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
-            BLOCK_D=_block(D), BLOCK_E=chosen["BLOCK_E"], CHUNK=chosen["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret, COMPENSATED=_compensated(T, chosen["CHUNK"], q.dtype),
-            num_warps=chosen["num_warps"], num_stages=chosen["num_stages"],
+            **launch_keywords,
         )
     return o, final_state
 
@@ -489,9 +499,21 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     return fused
 
 
-def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *, compute_dq):
+@functools.lru_cache(maxsize=256)
+def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides):
+    """Launch keywords of ``chunked_backward_kernel`` for one shape (``fused_backward_config``
+    with the constexprs), or None where the backward runs ``chunked_kernel`` three times instead.
+    Cached like ``_launch_plan``; the returned dict is shared and must not be modified."""
+    fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory)
+    if fused is None:
+        return None
+    return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"], dtype)}
+
+
+def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
-    initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros."""
+    initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros.
+    launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -508,9 +530,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, fused, *,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
             *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-            BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret, COMPENSATED=_compensated(T, fused["CHUNK"], q.dtype),
-            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+            **launch_keywords,
         )
     return dq, dk, dv, ds0
 
@@ -534,8 +554,9 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         grad_q = grad_k = grad_v = grad_initial_state = None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros_like(v)
-        fused = fused_backward_config(q.shape[-1], v.shape[-1], q.dtype, ctx.config,
-                                      shared_memory=_device_limits(q.device)[1])
+        fused = _backward_plan(q.shape[2], q.shape[3], v.shape[3], q.dtype, _device_limits(q.device)[1],
+                               triton.knobs.runtime.interpret,
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())))
         if fused is not None and (needs_k or needs_v or needs_initial_state):
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q)
@@ -660,7 +681,9 @@ def _launch_guard():
     if not triton.knobs.runtime.interpret:
         return contextlib.nullcontext()
     from triton.runtime import interpreter
-    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    shared = vars(interpreter)
+    lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
+    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
 
 
 def _resolved(q, k, v, initial_state):

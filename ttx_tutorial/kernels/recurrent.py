@@ -286,6 +286,7 @@ def check_config(config):
         raise ValueError(f"num_stages must be an int of at least 1, got {stages!r}")
 
 
+@functools.lru_cache(maxsize=None)  # asked at every launch; triton.next_power_of_2 costs a microsecond
 def _block_d(D: int) -> int:
     # At least 16: below that a warp has more lanes than elements.
     return max(16, triton.next_power_of_2(D))
@@ -401,6 +402,13 @@ def _resolve_config(q, v, config):
     return chosen
 
 
+@functools.lru_cache(maxsize=None)
+def _no_state(device):
+    """An empty float32 tensor: the pointer of an absent state, never followed. Empty, it holds no
+    memory, so one per device serves every launch (CUDA-graph captures included)."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
 def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     """One walk over the sequence. Returns (o, final_state or None)."""
     B, H, T, D = q.shape
@@ -412,13 +420,13 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     if B * H == 0:
         return o, final_state
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
-    unused = torch.empty(0, dtype=torch.float32, device=q.device)
+    unused = _no_state(q.device)
     s0 = initial_state if initial_state is not None else unused
     arguments = (int(reverse), int(initial_state is not None), int(store_final_state),
                  *q.stride(), *k.stride(), *v.stride())
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     if cfg["WALK"] == "tokens":
-        grid = (triton.cdiv(E, cfg["BLOCK_E"]) * B * H,)
+        grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
         with _launch_guard():
             recurrent_tokens_kernel[grid](
                 q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
@@ -427,11 +435,11 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
                 NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
-    key_blocks = triton.cdiv(D, cfg["BLOCK_D"])
+    key_blocks = -(-D // cfg["BLOCK_D"])
     # Several key blocks each write their part of o's sum over D, in float32; they add up below.
     parts = (torch.empty((key_blocks, B, H, T, E), dtype=torch.float32, device=q.device)
              if key_blocks > 1 else o[None])
-    grid = (triton.cdiv(E, cfg["BLOCK_E"]) * key_blocks * B * H,)
+    grid = (-(-E // cfg["BLOCK_E"]) * key_blocks * B * H,)
     with _launch_guard():
         recurrent_blocks_kernel[grid](
             q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
@@ -584,7 +592,9 @@ def _launch_guard():
     if not triton.knobs.runtime.interpret:
         return contextlib.nullcontext()
     from triton.runtime import interpreter
-    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    shared = vars(interpreter)
+    lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
+    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
 
 
 def _resolved(q, k, v, initial_state):

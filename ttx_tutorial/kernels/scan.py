@@ -434,6 +434,7 @@ def _device_limits(device):
     return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
+@functools.lru_cache(maxsize=None)  # asked at every launch; triton.next_power_of_2 costs a microsecond
 def _block(n):
     """The power-of-two tile that holds n: tl.dot needs at least 16 on a GPU."""
     return max(16, triton.next_power_of_2(n))
@@ -580,11 +581,11 @@ def _segment_starts(k, v, initial, *, reverse, config):
     """Passes 1 and 2 (one launch): the state each segment starts from, in walk order."""
     B, H, T, D = k.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
     if n_segments <= 1:
         return initial
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
-    e_blocks = triton.cdiv(E, block_e)
+    e_blocks = -(-E // block_e)
     states = torch.empty(B * H, n_segments, D, E, device=k.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
@@ -602,12 +603,12 @@ def _segment_outputs(q, k, v, starts, *, reverse, config):
     """Pass 3: o and the final state, every segment from its start state."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
     final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
     with _launch_guard():
-        scan_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
+        scan_outputs_kernel[(B * H * n_segments * -(-E // block_e),)](
             q, k, v, o, starts.tensor, final_state, T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
@@ -639,7 +640,7 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, segment_len)
+    n_segments = -(-T // segment_len)  # rounded up
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
@@ -817,7 +818,9 @@ def _launch_guard():
     if not triton.knobs.runtime.interpret:
         return contextlib.nullcontext()
     from triton.runtime import interpreter
-    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    shared = vars(interpreter)
+    lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
+    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
 
 
 def _resolved(q, k, v, initial_state):

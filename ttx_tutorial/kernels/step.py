@@ -10,8 +10,11 @@ by one token, with the feature map phi applied inside the kernel::
 One program owns one (batch, head) pair and one block of value columns; it walks D in blocks of
 ``BLOCK_D`` rows, adds the outer product to its rows of the state in place and sums their
 contributions to o in float32. No ``tl.dot``: one query row would waste the tensor cores. z is
-shared by every value column, so when normalising one program covers all of E (nothing orders
-programs within a launch).
+shared by every value block: each program reads the old z and computes the denominator itself
+(D products), and the head's last program to finish, counted by an integer atomic, writes the
+new z, once every other one has read the old (nothing else orders programs within a launch).
+The counters, one int32 per head, belong to the state: zeros at rest, reset by that last program,
+kept on the state tensor (pass the same tensor token after token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
 last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
 (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
@@ -46,14 +49,15 @@ import triton.language as tl
 def step_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, D), (B, H, D), (B, H, E), (B, H, E) contiguous
     state_ptr,  # (B, H, D, E + NORMALIZE) float32, contiguous; updated in place
+    arrivals_ptr,  # (B * H,) int32, zeros: the head's programs that have read z (NORMALIZE only)
     H, D, E,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kd,
     stride_vb, stride_vh, stride_ve,
     eps,  # added to phi(q)^T z; unused unless NORMALIZE
     FEATURE_MAP: tl.constexpr,  # "elu", "relu" or "identity"
-    NORMALIZE: tl.constexpr,  # z is the state's last column; one value block covers E
-    BLOCK_D: tl.constexpr,  # state rows per iteration (power of two)
+    NORMALIZE: tl.constexpr,  # z is the state's last column
+    BLOCK_D: tl.constexpr,  # state rows per iteration (power of two); at least D when NORMALIZE
     BLOCK_E: tl.constexpr,  # value columns per program (power of two)
 ):
     """Adds phi(k) v^T (and phi(k) to z) to one head's state in place; writes o for its value block."""
@@ -75,6 +79,7 @@ def step_kernel(
     # tl.full, not tl.zeros: see "Fragile" on the interpreter.
     b_numerator = tl.full([BLOCK_E], 0.0, tl.float32)
     b_denominator = tl.full([BLOCK_D], 0.0, tl.float32)  # summed over D after the loop
+    b_z = tl.full([BLOCK_D], 0.0, tl.float32)  # the new z; one iteration covers D when normalising
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
@@ -97,20 +102,28 @@ def step_kernel(
         mask_s = mask_d[:, None] & mask_e[None, :]
         s_tile_ptr = state_row_ptr[:, None] + offs_e[None, :]
         b_s = tl.load(s_tile_ptr, mask=mask_s, other=0.0) + b_k[:, None] * b_v[None, :]
-        if NORMALIZE:
+        if NORMALIZE:  # the old z: no program writes it before every one has read it (below)
             b_z = tl.load(state_row_ptr + E, mask=mask_d, other=0.0) + b_k
-        # Several threads hold copies of a z element (and may of a tile element): every thread
-        # must have read the old state before any writes the new one, or a late reader adds k twice.
+            b_denominator += b_z * b_q
+        # Several threads may hold copies of a tile element: every thread must have read the old
+        # state before any writes the new one, or a late reader adds k twice.
         tl.debug_barrier()
         tl.store(s_tile_ptr, b_s, mask=mask_s)
         b_numerator += tl.sum(b_s * b_q[:, None], axis=0)
-        if NORMALIZE:
-            tl.store(state_row_ptr + E, b_z, mask=mask_d)
-            b_denominator += b_z * b_q
     b_o = b_numerator
     if NORMALIZE:
         b_o = b_numerator / (tl.sum(b_denominator, axis=0) + eps)
     tl.store(o_ptr + pid_bh * E + offs_e, b_o.to(o_ptr.dtype.element_ty), mask=mask_e)
+    if NORMALIZE:
+        # The denominator above used every thread's z, so every read of the old z is done. The
+        # barrier orders them before the count, whose acquire-release order puts the other
+        # programs' reads before the last program's write; that program resets the count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel")
+        if arrived == num_e_blocks - 1:
+            offs_d = tl.arange(0, BLOCK_D)
+            tl.store(state_head_ptr + offs_d.to(tl.int64) * state_cols + E, b_z, mask=offs_d < D)
+            tl.atomic_xchg(arrivals_ptr + pid_bh, 0, sem="relaxed")
 
 
 # --------------------------------------------------------------------------- host side
@@ -120,18 +133,21 @@ FEATURE_MAPS = ("elu", "relu", "identity")
 #: The largest head dimension (D and E) the kernel takes.
 MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# State elements a program holds per iteration: 32 float32 registers a thread with 4 warps.
+# State elements a program holds per iteration at most: 32 float32 registers a thread with 4 warps.
 _TILE_ELEMENTS = 4096
 _NUM_WARPS = 4
 
 
 def default_config(D: int, E: int, normalize: bool) -> dict:
-    """Block sizes and warps: the whole of E in one program when normalising (z is shared, see
-    the module docstring), else at most 32 columns a program, so that (batch, head) pairs give
-    several programs each; BLOCK_D fills a tile of 4096 state elements (rows past D masked)."""
+    """Block sizes and warps. The state is the whole of the step's memory traffic, so it is spread
+    over many programs: 16 value columns a program when normalising (each program computes the
+    denominator itself, see the module docstring), at most 32 otherwise. BLOCK_D: the rows of D,
+    as a power of two of at least 16, at most a tile of 4096 elements (so at most 256: all of D
+    in one iteration when normalising, as the kernel requires)."""
     largest_e = max(16, triton.next_power_of_2(E))
-    block_e = largest_e if normalize else min(32, largest_e)
-    return {"BLOCK_D": _TILE_ELEMENTS // block_e, "BLOCK_E": block_e, "num_warps": _NUM_WARPS}
+    block_e = 16 if normalize else min(32, largest_e)
+    block_d = min(_TILE_ELEMENTS // block_e, max(16, triton.next_power_of_2(D)))
+    return {"BLOCK_D": block_d, "BLOCK_E": block_e, "num_warps": _NUM_WARPS}
 
 
 @functools.lru_cache(maxsize=256)
@@ -143,6 +159,24 @@ def _launch_plan(B: int, H: int, D: int, E: int, normalize: bool) -> tuple:
     return grid, cfg["BLOCK_D"], cfg["BLOCK_E"], cfg["num_warps"]
 
 
+_ARRIVALS_ATTRIBUTE = "_step_arrival_counters"
+
+
+def _arrivals(state, heads):
+    """The int32 counters, one per head, of ``state``'s launches (see the module docstring). Kept
+    on the state tensor itself, so that they live exactly as long as it does: a CUDA graph that
+    updates the state holds their address too, and steps of different states may run at once on
+    several streams."""
+    counters = getattr(state, _ARRIVALS_ATTRIBUTE, None)
+    if counters is None or counters.numel() != heads:
+        counters = torch.zeros(heads, dtype=torch.int32, device=state.device)
+        # Made during a CUDA-graph capture, a tensor holds its zeros only when the graph replays:
+        # such counters stay the graph's own, and a later eager call makes its own.
+        if not (state.is_cuda and torch.cuda.is_current_stream_capturing()):
+            setattr(state, _ARRIVALS_ATTRIBUTE, counters)
+    return counters
+
+
 def _launch(q, k, v, state, feature_map, normalize, eps):
     """One launch: updates ``state`` in place and returns o (B, H, E) in the dtype of q."""
     B, H, D = q.shape
@@ -151,9 +185,11 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
     o = torch.empty((B, H, E), dtype=q.dtype, device=q.device)
     if B * H == 0:
         return o
+    # Without normalize the kernel never touches the counters: the state stands in for them.
+    arrivals = _arrivals(state, B * H) if normalize else state
     with _launch_guard():
         step_kernel[grid](
-            q, k, v, o, state, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
+            q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d, BLOCK_E=block_e,
             num_warps=num_warps,
         )
@@ -247,7 +283,9 @@ def _launch_guard():
     if not triton.knobs.runtime.interpret:
         return contextlib.nullcontext()
     from triton.runtime import interpreter
-    return vars(interpreter).setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    shared = vars(interpreter)
+    lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
+    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
 
 
 # Signatures of arguments that check_inputs accepted. A generation loop passes the same shapes

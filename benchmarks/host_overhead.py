@@ -1,0 +1,261 @@
+"""Where the host's microseconds of one call go: per stage, with the Triton launches stubbed out.
+
+    python benchmarks/host_overhead.py                  # CPU or GPU; under 2 minutes
+    python benchmarks/host_overhead.py --json OUT.json  # the same, also written as JSON
+
+Part 1, stubbed launches (any machine): every ``kernel[grid](...)`` of the kernel files is
+replaced by a no-op for the length of this part, so that what remains is the package's own
+Python and PyTorch work on the way to a launch: the API's checks and dispatch, the kernel file's
+wrapper, the autograd Function, the launch plan and the output allocations. Small tensors on
+the package's device (CPU tensors in CPU mode: the same Python runs, only the allocator
+differs). Each stage is timed alone, as the least of five loops' mean
+(``time.perf_counter_ns``; ``--cpu-time``: the thread's CPU time, on a machine shared with
+other jobs):
+
+  api          ttx_tutorial.causal_product(q, k, v, method)              (forward)
+  validated    the kernel file's _run_validated(q, k, v): the API's call without its checks
+  launch       the kernel file's forward launch function alone: plan, allocations, arguments
+  checks       _validation.check_inputs(...) alone, the API's checks
+  floor        a bare torch.autograd.Function that only allocates the outputs: the least a
+               differentiable operator costs (forward with inputs that need no gradient)
+  api fwd+bwd  causal_product and o.backward(grad) with q, k, v requiring gradients
+  floor fwd+bwd
+  step         linear_attention_step(q, k, v, state) at (B, H, D, E) = (8, 16, 64, 64)
+  step_update  kernels/step.py's entry, and step _launch alone; floor: torch.empty of o
+
+``--profile STAGE`` prints cProfile's top functions of one stage (e.g. ``chunked:api``).
+
+Part 2, real launches, GPU only: host time per call of forward and forward+backward of
+chunked, scan and recurrent at (8, 16, 4096, 64) bfloat16, and of the step: calls enqueued
+in a loop that never waits for the GPU (synchronised once at the end, outside the timing),
+as ``python -m ttx_tutorial.bench`` measures ``host_us``; next to it the GPU's time of one call
+replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial import _validation, bench  # noqa: E402
+from ttx_tutorial.kernels import chunked, recurrent, scan, step  # noqa: E402
+from ttx_tutorial.testing import random_inputs  # noqa: E402
+
+ON_GPU = ttx_tutorial.on_gpu()
+FAMILIES = {"chunked": chunked, "scan": scan, "recurrent": recurrent}
+#: Every kernel the wrappers launch, by file: the names part 1 stubs.
+KERNELS = {chunked: ("chunked_kernel", "chunked_backward_kernel"),
+           scan: ("scan_summaries_kernel", "scan_outputs_kernel", "scan_backward_kernel"),
+           recurrent: ("recurrent_tokens_kernel", "recurrent_blocks_kernel"),
+           step: ("step_kernel",)}
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return _no_op
+
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """Every kernel of the kernel files replaced by a no-op, restored on exit."""
+    saved = {(module, name): getattr(module, name) for module, names in KERNELS.items() for name in names}
+    try:
+        for module, name in saved:
+            setattr(module, name, _NoLaunch())
+        yield
+    finally:
+        for (module, name), kernel in saved.items():
+            setattr(module, name, kernel)
+
+
+#: The clock of the stubbed stages: wall time, or with --cpu-time this thread's CPU time, which
+#: a machine shared with other jobs does not inflate by preempting the loop.
+CLOCK = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+
+
+def mean_us(fn, calls, repeats=5, clock=time.perf_counter_ns):
+    """Microseconds per call: the least over ``repeats`` loops of the mean of ``calls // repeats``
+    calls in a row (other processes only ever add time), after a few unmeasured calls."""
+    for _ in range(max(10, calls // 20)):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(max(1, calls // repeats)):
+            fn()
+        best = min(best, (clock() - start) / max(1, calls // repeats) / 1e3)
+    return best
+
+
+class _Floor(torch.autograd.Function):
+    """The least a differentiable causal product can cost: allocate o and S_T, and the gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, _, D = q.shape
+        E = v.shape[-1]
+        return torch.empty_like(v), torch.empty((B, H, D, E), dtype=torch.float32, device=v.device)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_state):
+        return torch.empty_like(grad_o), torch.empty_like(grad_o), torch.empty_like(grad_o)
+
+
+def forward_launch(family, q, k, v):
+    """The file's own forward launch function (their signatures differ)."""
+    if family is chunked:
+        return chunked._launch(q, k, v, None, reverse=False, config=None)
+    if family is recurrent:
+        return recurrent._launch(q, k, v, None, reverse=False, store_final_state=True, config=None)
+    return scan._launch(q, k, v, None, None)
+
+
+def stub_stages(calls, clock):
+    """{stage: microseconds per call} with the launches stubbed (see the module docstring)."""
+    B, H, T, D = 2, 2, 64, 16
+    q, k, v = random_inputs(B, H, T, D, dtype=torch.bfloat16, seed=0)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    grad_o = torch.randn_like(v)
+    stages = {}
+
+    def backward_of(fn):
+        def call():
+            out = fn(*leaves)
+            (out[0] if isinstance(out, tuple) else out).backward(grad_o)
+        return call
+
+    with stubbed_launches():
+        for name, family in FAMILIES.items():
+            stages[f"{name}:api"] = lambda name=name: ttx_tutorial.causal_product(q, k, v, name)
+            stages[f"{name}:validated"] = lambda family=family: family._run_validated(q, k, v)
+            stages[f"{name}:launch"] = lambda family=family: forward_launch(family, q, k, v)
+            stages[f"{name}:api fwd+bwd"] = backward_of(lambda *x, name=name: ttx_tutorial.causal_product(*x, name))
+        stages["auto:api"] = lambda: ttx_tutorial.causal_product(q, k, v)
+        stages["checks"] = lambda: _validation.check_inputs(
+            q, k, v, None, method="chunked", dtypes=_validation.KERNEL_DTYPES, max_head_dim=256,
+            expected_device=ttx_tutorial.DEVICE.type, index_limit=_validation.KERNEL_INDEX_LIMIT)
+        stages["floor"] = lambda: _Floor.apply(q, k, v)
+        stages["floor fwd+bwd"] = backward_of(_Floor.apply)
+
+        sq, sk, sv = (x[:, :, 0] for x in random_inputs(8, 16, 1, 64, dtype=torch.bfloat16, seed=1))
+        state = torch.zeros(8, 16, 64, 65, device=sq.device)
+        stages["step"] = lambda: ttx_tutorial.linear_attention_step(sq, sk, sv, state)
+        stages["step:step_update"] = lambda: step.step_update(sq, sk, sv, state)
+        stages["step:launch"] = lambda: step._launch(sq, sk, sv, state, "elu", True, 1e-6)
+        stages["step:floor"] = lambda: torch.empty((8, 16, 64), dtype=sq.dtype, device=sq.device)
+        with torch.no_grad():  # the step is inference only; torch.no_grad as in a generation loop
+            step_stages = {name for name in stages if name.startswith("step")}
+            results = {}
+            for name, fn in stages.items():
+                if name in step_stages:
+                    results[name] = mean_us(fn, calls, clock=clock)
+            with torch.enable_grad():
+                for name, fn in stages.items():
+                    if name not in step_stages:
+                        results[name] = mean_us(fn, calls // 4 if "bwd" in name else calls, clock=clock)
+    return results, stages
+
+
+def profile(stages, stage, calls):
+    """cProfile's top functions over ``calls`` calls of one stage (launches stubbed)."""
+    fn = stages[stage]
+    grad_mode = torch.no_grad() if stage.startswith("step") else torch.enable_grad()
+    with stubbed_launches(), grad_mode:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+def real_host_times():
+    """GPU only: {(name, mode): (host us per call, GPU ms of one call replayed)}."""
+    q, k, v = random_inputs(8, 16, 4096, 64, dtype=torch.bfloat16, seed=0)
+    grad_o = torch.randn_like(v)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    rows = {}
+    for name in FAMILIES:
+        def forward(name=name):
+            return ttx_tutorial.causal_product(q, k, v, name)
+
+        def forward_backward(name=name):
+            ttx_tutorial.causal_product(*leaves, name).backward(grad_o)
+
+        for mode, fn, graph_leaves in (("fwd", forward, ()), ("fwd+bwd", forward_backward, leaves)):
+            fn()
+            calls = 200 if name != "recurrent" else 20  # recurrent is GPU-bound; its host time is flat
+            rows[(name, mode)] = (bench.host_us(fn, calls), bench.graph_ms(fn, graph_leaves))
+    sq, sk, sv = (x[:, :, 0] for x in random_inputs(8, 16, 1, 64, dtype=torch.bfloat16, seed=1))
+    state = torch.zeros(8, 16, 64, 65, device=sq.device)
+    with torch.no_grad():
+        def one_step():
+            return ttx_tutorial.linear_attention_step(sq, sk, sv, state)
+
+        rows[("step", "fwd")] = (bench.host_us(one_step, 2000), bench.graph_ms(one_step))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=4000, help="calls per stubbed stage (default 4000)")
+    parser.add_argument("--profile", metavar="STAGE", help="cProfile one stubbed stage, e.g. chunked:api")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the stubbed stages by this thread's CPU time (for machines shared with other jobs)")
+    args = parser.parse_args()
+
+    stub, stages = stub_stages(args.calls, CLOCK["cpu" if args.cpu_time else "wall"])
+    print(f"{ttx_tutorial.describe()}\n\nHost microseconds per call, Triton launches stubbed "
+          f"((2, 2, 64, 16) bf16; step (8, 16, 64, 64); {'CPU' if args.cpu_time else 'wall'} time):")
+    for name in FAMILIES:
+        api, validated, launch = (stub[f"{name}:{s}"] for s in ("api", "validated", "launch"))
+        print(f"  {name:10s} api {api:6.1f} = checks+dispatch {api - validated:5.1f} + wrapper "
+              f"{validated - launch:5.1f} + launch {launch:5.1f};   fwd+bwd {stub[f'{name}:api fwd+bwd']:6.1f}")
+    print(f"  auto       api {stub['auto:api']:6.1f};   the API's checks alone {stub['checks']:5.1f}")
+    print(f"  floor      {stub['floor']:6.1f} (autograd.Function allocating the outputs);   "
+          f"fwd+bwd {stub['floor fwd+bwd']:6.1f}")
+    print(f"  step       {stub['step']:6.1f} = linear_attention_step {stub['step'] - stub['step:step_update']:5.1f}"
+          f" + step_update {stub['step:step_update'] - stub['step:launch']:5.1f} + launch {stub['step:launch']:5.1f}"
+          f";   floor (torch.empty of o) {stub['step:floor']:5.1f}")
+    if args.profile:
+        profile(stages, args.profile, args.calls)
+
+    real = {}
+    if ON_GPU:
+        print("\nReal launches at (8, 16, 4096, 64) bf16 (step: (8, 16, 64, 64)): host us per call in a loop, "
+              "GPU ms of a graph replay")
+        real = real_host_times()
+        for (name, mode), (host, gpu) in real.items():
+            print(f"  {name:10s} {mode:8s} host {host:7.1f} us   GPU {gpu:.4f} ms")
+    if args.json:
+        env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if ON_GPU else "CPU interpreter",
+               "torch": torch.__version__, "triton": __import__("triton").__version__,
+               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "env": env, "stubbed_us": {k: round(v, 2) for k, v in stub.items()},
+            "real": [{"name": n, "mode": m, "host_us": round(h, 2), "gpu_ms": round(g, 5)}
+                     for (n, m), (h, g) in real.items()]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
