@@ -8,6 +8,9 @@ new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy
 """
 
 import contextlib
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from ttx_tutorial.kernels import chunked, scan
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
                                   reference_gradients, relative_error)
 
+REPOSITORY = Path(__file__).resolve().parents[1]
 SETTINGS = ("highest", "high", "medium")
 EXPECTED_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
 #: TF32 keeps float16's 10 significand bits, so it gets float16's tolerance.
@@ -260,3 +264,20 @@ def test_highest_gradients_keep_float32_accuracy(method, matmul_precision):
     _, _, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
     for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", s0)):
         assert_close(x.grad.cpu(), ref_grads[name], torch.float32, f"d{name}")
+
+
+
+def test_float32_sweep_runs_on_a_tiny_shape(tmp_path):
+    """benchmarks/float32_sweep.py on one tiny shape under "highest": every row of our methods
+    timed, with its error (forward, or the gradients) within float32's tolerance; the JSON written."""
+    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--shapes", "1,1,17,16", "--settings", "highest", "--out", str(out)]) == 0
+    ours = [row for row in json.loads(out.read_text())["rows"] if row["setting"] == "highest"]
+    assert {(row["impl"], row["mode"]) for row in ours} == {
+        (impl, mode) for impl in ("chunked", "scan", "recurrent") for mode in ("fwd", "fwd+bwd")}
+    assert any(isinstance(row["config"], dict) for row in ours), "no candidate config was timed"
+    for row in ours:
+        assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
