@@ -59,25 +59,29 @@ ERROR_BOUNDS = {"highest": 1e-5, "high": 1e-2, "medium": 1e-2}
 
 #: Candidate configs by the head size they are meant for (BLOCK_D = 64, or 128 and above);
 #: float32 tiles take twice a 16-bit tile's shared memory, and every candidate fits an H100/H200's.
+#: Compiled for sm_90 with Triton 3.9, 3xTF32 at 32- and 64-token chunks uses all 255 registers
+#: and spills (hundreds of bytes a thread at D = 64, over a thousand at D = 128), while 16-token
+#: chunks (mma.sync instead of wgmma) spill nothing at D = 64: both kinds are here.
 CANDIDATES = {
     64: [
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 128, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
     ],
     128: [
         {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_E": 128, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
     ],
 }
 #: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
