@@ -61,7 +61,8 @@ ERROR_BOUNDS = {"highest": 1e-5, "high": 1e-2, "medium": 1e-2}
 #: float32 tiles take twice a 16-bit tile's shared memory, and every candidate fits an H100/H200's.
 #: Compiled for sm_90 with Triton 3.9, 3xTF32 at 32- and 64-token chunks uses all 255 registers
 #: and spills (hundreds of bytes a thread at D = 64, over a thousand at D = 128), while 16-token
-#: chunks (mma.sync instead of wgmma) spill nothing at D = 64: both kinds are here.
+#: chunks (mma.sync instead of wgmma) spill little or nothing (nothing at D = 64 with 64 value
+#: columns on 8 warps or 32 on 4): both kinds are here.
 CANDIDATES = {
     64: [
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},

@@ -394,6 +394,8 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
       D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 8 warps, 2 stages.
       3xTF32 also holds each operand's TF32 part and remainder; TF32 alone takes 4 warps up to
       D = 64. The narrowing of value blocks on an idle GPU applies as for 16-bit inputs.
+      Compiled for sm_90, 3xTF32 spills registers at these tiles, less or not at all at 16-token
+      chunks; ``benchmarks/float32_sweep.py`` times both kinds.
     - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
       up to E = 128), 32 at D > 128; halved down to 32 while the programs number fewer than half
       the multiprocessors, so that a head's programs share its q and k through L2.
