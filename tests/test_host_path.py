@@ -89,7 +89,7 @@ def test_launch_plans_are_per_shape_and_config(device, monkeypatch):
     E = v.shape[-1]
     assert grid_config == (B * H * -(-E // 16),)
     long = chunked._launch_plan(B, H, 64 * (chunked.COMPENSATED_FROM_CHUNKS + 1), D, E, q.dtype,
-                                chunked._device_limits(q.device), ttx_tutorial.INTERPRETED, ())
+                                chunked._device_limits(q.device), ttx_tutorial.INTERPRETED, "tf32", ())
     assert long[1]["COMPENSATED"] and not rule["COMPENSATED"]
 
 

@@ -21,12 +21,17 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
 ``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: its last
 element must sit at an offset below 2**31.
-Precision: products accumulate in float32; float32 inputs multiply in IEEE float32 (TF32 would
-cost about 1e-3); bfloat16 rounds the float32 state and scores to bfloat16 (same exponent range);
-float16 keeps them in float32 (TF32 products, exact for float16 inputs), since a long sequence
-of positive features takes the state past float16's 65504.
-Tensor cores accumulate with truncation: beyond ``COMPENSATED_FROM_CHUNKS`` chunks, 16-bit
-inputs add each chunk's state product in rounded float32 with a Kahan carry.
+Precision: products accumulate in float32. float32 inputs follow
+``torch.get_float32_matmul_precision()``, read at each call: "highest" (PyTorch's default)
+multiplies with 3xTF32 (``input_precision="tf32x3"``: each operand split into a TF32 part and
+its remainder, three tensor-core products, about float32's accuracy), "high" and "medium" with
+one TF32 product (about 1e-3 relative error, as PyTorch's own TF32 matmuls). bfloat16 rounds the
+float32 state and scores to bfloat16 (same exponent range); float16 keeps them in float32 (TF32
+products, exact for float16 inputs), since a long sequence of positive features takes the state
+past float16's 65504.
+Tensor cores accumulate with truncation, a bias that grows with every addition into the state:
+under 3xTF32 (three products a chunk) each chunk's state product is added in rounded float32
+instead, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
@@ -49,12 +54,15 @@ import triton.language as tl
 def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.constexpr):
     """(b_sum + a @ b, carry). A tensor-core product that accumulates into b_sum truncates the
     sum at every step, a bias that grows with the number of chunks; COMPENSATED instead adds
-    each chunk's product in rounded float32 and keeps the rounding error in b_carry (Kahan)."""
+    each chunk's product in rounded float32 and keeps the rounding error in b_carry (Kahan).
+    3xTF32 makes three truncating additions a chunk: its product is added in rounded float32."""
     if COMPENSATED:
         y = tl.dot(a, b, input_precision=PRECISION) - b_carry
         total = b_sum + y
         b_carry = (total - b_sum) - y
         b_sum = total
+    elif PRECISION == "tf32x3":
+        b_sum += tl.dot(a, b, input_precision=PRECISION)
     else:
         b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
     return b_sum, b_carry
@@ -91,14 +99,14 @@ def chunked_kernel(
     BLOCK_E: tl.constexpr,          # the slice of value columns this program owns
     CHUNK: tl.constexpr,            # tokens per chunk
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
-    COMPENSATED: tl.constexpr,      # long 16-bit sequences: the state summed with a carry
+    COMPENSATED: tl.constexpr,      # long sequences: the state summed with a carry
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
     # rounded to bfloat16 for bfloat16 inputs (same range), kept float32 (TF32) for float16.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     # Under the interpreter every operand is widened to float32 after its rounding: a product of
     # two 16-bit floats is exact in float32, so the CPU computes the GPU's products.
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
@@ -364,14 +372,30 @@ def _shared_memory_estimate(block_d, config, dtype):
 _NOMINAL_LIMITS = (132, 232448)
 
 
-def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1]):
+#: ``torch.get_float32_matmul_precision()`` -> the ``input_precision`` of float32 products.
+FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+
+
+def float32_precision():
+    """The ``input_precision`` of float32 products under PyTorch's current setting: "tf32x3"
+    (about float32's accuracy) for "highest", the default; "tf32" for "high" and "medium"."""
+    return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+
+
+def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1],
+                   float32_precision="tf32x3"):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
-    and the GPU's multiprocessors and shared memory (None: unknown).
+    and the GPU's multiprocessors and shared memory (None: unknown); ``float32_precision``
+    ("tf32x3" or "tf32") is the product precision of float32 inputs.
 
     Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
     BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.
-    - float32: IEEE products keep whole operand rows in registers: 16 x 16 tiles, 8 warps, and a
-      single stage of loads at D > 128.
+    - float32: tensor-core tiles as for 16-bit inputs, each twice as large: 64-token chunks up to
+      D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 8 warps, 2 stages.
+      3xTF32 also holds each operand's TF32 part and remainder; TF32 alone takes 4 warps up to
+      D = 64. The narrowing of value blocks on an idle GPU applies as for 16-bit inputs.
+      Compiled for sm_90, 3xTF32 spills registers at these tiles, less or not at all at 16-token
+      chunks; ``benchmarks/float32_sweep.py`` times both kinds.
     - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
       up to E = 128), 32 at D > 128; halved down to 32 while the programs number fewer than half
       the multiprocessors, so that a head's programs share its q and k through L2.
@@ -379,18 +403,21 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
       thread (else 8), and 4 stages of loads.
     - float16: 8 warps, 32-token chunks for D > 64 (its TF32 products hold float32 copies of q,
       the state and the scores), 3 stages.
-    Stages, then chunk length, shrink until the loads fit the GPU's shared memory.
+    Stages down to 2, then chunk length, then the last stages shrink until the loads fit the
+    GPU's shared memory.
     """
     block_d = _block(D)
-    if dtype == torch.float32:
-        return {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 8, "num_stages": 2 if block_d <= 128 else 1}
     block_e = min(max(64, _block(E)), 128) if block_d <= 128 else 32
-    if dtype == torch.bfloat16:
+    if dtype != torch.float16:
         block_e = min(block_e, 64)
     if heads is not None and multiprocessors is not None:
         while block_e > 32 and 2 * heads * triton.cdiv(E, block_e) < multiprocessors:
             block_e //= 2
-    if dtype == torch.bfloat16:
+    if dtype == torch.float32:
+        light = float32_precision == "tf32" and block_d <= 64
+        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if light else 8,
+                  "num_stages": 2}
+    elif dtype == torch.bfloat16:
         config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4 if block_d * block_e <= 8192 else 8,
                   "num_stages": 4}
     else:
@@ -400,6 +427,8 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
             config["num_stages"] -= 1
         elif config["CHUNK"] > 16:
             config["CHUNK"] //= 2
+        elif config["num_stages"] > 1:
+            config["num_stages"] -= 1
         else:
             break
     return config
@@ -419,39 +448,44 @@ def _device_limits(device):
     return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
-#: Beyond this many chunks, 16-bit inputs sum the states with a carry (``_add_product``): their
-#: tensor-core products accumulate with truncation, whose bias grows with the number of chunks.
-#: Below it the bias stays well under bfloat16's rounding, and the carry would cost registers.
+#: Beyond this many chunks the states are summed with a carry (``_add_product``): tensor-core
+#: products accumulate with truncation, whose bias grows with the number of chunks. Below it the
+#: bias stays well under bfloat16's and TF32's rounding (3xTF32 adds its products rounded, see
+#: ``_add_product``), and the carry would cost registers.
 COMPENSATED_FROM_CHUNKS = 4096
 
 
-def _compensated(T, chunk, dtype):
-    return dtype != torch.float32 and -(-T // chunk) > COMPENSATED_FROM_CHUNKS  # chunks, rounded up
+def _compensated(T, chunk):
+    return -(-T // chunk) > COMPENSATED_FROM_CHUNKS  # chunks, rounded up
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, overrides):
+def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides):
     """(grid, launch keywords) of ``chunked_kernel`` for one shape: the rule with the (checked)
     ``overrides`` applied, then the constexprs. Pure, so cached: a call at a known shape skips the
-    rule's microseconds. The returned dict is shared; callers must not modify it."""
+    rule's microseconds. ``precision``: the float32 products' (``float32_precision``). The
+    returned dict is shared; callers must not modify it."""
     multiprocessors, shared_memory = limits
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory), **dict(overrides)}
+                                       shared_memory=shared_memory, float32_precision=precision),
+              **dict(overrides)}
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
-                  "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, chosen["CHUNK"], dtype),
-                  "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
+                  "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, chosen["CHUNK"]),
+                  "FLOAT32_PRECISION": precision, "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
 
 
 def _launch(q, k, v, initial_state, *, reverse, config):
     """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated."""
     B, H, T, D = q.shape
     E = v.shape[-1]
+    # 16-bit inputs meet float32 operands only as float16's state and scores, exact in TF32.
+    precision = float32_precision() if q.dtype == torch.float32 else "tf32"
     # config was checked by check_config in _run_validated; as sorted items it keys the cache.
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
-                                         triton.knobs.runtime.interpret,
+                                         triton.knobs.runtime.interpret, precision,
                                          () if config is None else tuple(sorted(config.items())))
     o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
@@ -507,7 +541,7 @@ def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides):
     fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory)
     if fused is None:
         return None
-    return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"], dtype)}
+    return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq):

@@ -26,13 +26,17 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
 keeps its start states, B*H*NS*D*E float32, for the backward.
-Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
-rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
+Precision: products accumulate in float32; float32 inputs follow
+``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
+about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
+3xTF32 the segment sums and states add each chunk's product in rounded float32, not in the
+tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
+float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
-without a GPU assumes an H100/H200's. float32 spills registers from BLOCK_D = 64 on (the exact
-path, not the fast one). A non-finite v reaches the earlier outputs of its chunk (masked zeros
+without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
+Triton 3.9). A non-finite v reaches the earlier outputs of its chunk (masked zeros
 times inf is NaN), a non-finite k the earlier q-gradients: zero padding first. A config that
 needs more shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16
 bit patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the
@@ -65,6 +69,17 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
+    """b_sum + a @ b. A tensor-core product that accumulates into b_sum truncates the sum at each
+    step; 3xTF32 makes three such steps a chunk, so its product is added in rounded float32."""
+    if PRECISION == "tf32x3":
+        b_sum += tl.dot(a, b, input_precision=PRECISION)
+    else:
+        b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
+    return b_sum
+
+
+@triton.jit
 def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
     initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
@@ -79,11 +94,11 @@ def scan_summaries_kernel(
     BLOCK_E: tl.constexpr,          # the value columns this program owns
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
     program of a (batch*head, value block) to finish then runs pass 2."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
     # second finds it in L2), and B * H is not limited to 65535 as on grid axes 1 and 2.
@@ -116,8 +131,7 @@ def scan_summaries_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
-        b_sum = tl.dot(tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), acc=b_sum,
-                       input_precision=FLOAT32_PRECISION)
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
 
     states_ptr += bh.to(tl.int64) * n_segments * D * E
     tl.store(states_ptr + (walk + 1).to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :], b_sum,
@@ -178,12 +192,12 @@ def scan_outputs_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     # The operand type that meets the float32 state and scores (see the header).
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
     # Under the interpreter every operand is widened to float32 after its rounding: a product of
     # two 16-bit floats is exact in float32, so the CPU computes the GPU's products.
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
@@ -237,7 +251,7 @@ def scan_outputs_kernel(
                      input_precision=FLOAT32_PRECISION)
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
-        b_state = tl.dot(b_kt, b_v.to(DOT_DTYPE), acc=b_state, input_precision=FLOAT32_PRECISION)
+        b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
@@ -440,7 +454,17 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
-def _default_blocks(D, E, dtype):
+#: ``torch.get_float32_matmul_precision()`` -> the ``input_precision`` of float32 products.
+FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+
+
+def float32_precision():
+    """The ``input_precision`` of float32 products under PyTorch's current setting: "tf32x3"
+    (about float32's accuracy) for "highest", the default; "tf32" for "high" and "medium"."""
+    return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+
+
+def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
 
@@ -451,13 +475,15 @@ def _default_blocks(D, E, dtype):
     float16: the state and scores enter their products as float32 (TF32), twice the registers:
         BLOCK_D * BLOCK_E <= 4096, and chunks of 32 when D or E exceeds 128 (D and E alike: the
         backward swaps them and must cut the forward's segments into the same chunks).
-    float32: IEEE products keep both operands in registers: chunks of 16, 8 warps,
-        BLOCK_D * BLOCK_E <= 2048.
+    float32: tensor-core tiles twice the size of float16's at the same counts (chunks of 64 up
+        to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 8 warps for 3xTF32, whose
+        operands are held as a TF32 part and a remainder, 4 for TF32.
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
     if dtype == torch.float32:
-        chunk, state_entries, warps = 16, 2048, 8
+        chunk = 64 if max(block_d, _block(E)) <= 64 else 32
+        state_entries, warps = 4096, (8 if float32_precision == "tf32x3" else 4)
     elif dtype == torch.float16:
         chunk, state_entries, warps = (64 if max(block_d, _block(E)) <= 128 else 32), 4096, 4
     else:
@@ -483,17 +509,20 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multipr
     return max(parallel_length, traffic_length)
 
 
-def default_config(B, H, T, D, E, dtype, multiprocessors):
+def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3"):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
-    ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors."""
-    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, ()))
+    ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors, with
+    ``FLOAT32_PRECISION``, the kernels' product precision (``float32_precision`` for float32
+    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly)."""
+    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision))
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
-def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides):
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision):
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
-    resolved = {**_default_blocks(D, E, dtype), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
+    precision = float32_precision if dtype == torch.float32 else "tf32"
+    resolved = {**_default_blocks(D, E, dtype, precision), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
@@ -502,14 +531,17 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides):
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
     resolved["SEGMENT_LEN"] = length
+    resolved["FLOAT32_PRECISION"] = precision
     return resolved
 
 
 def _resolve_config(q, v, config):
-    """The launch configuration for these inputs: the rule, then the caller's keys."""
+    """The launch configuration for these inputs: the rule, then the caller's keys; float32
+    products at the precision PyTorch's setting asks for now."""
     B, H, T, D = q.shape
     overrides = tuple(sorted((config or {}).items()))
-    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides)
+    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides,
+                            float32_precision())
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
@@ -594,6 +626,7 @@ def _segment_starts(k, v, initial, *, reverse, config):
             k, v, states, initial.tensor, arrivals, T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
+            FLOAT32_PRECISION=config["FLOAT32_PRECISION"],
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
@@ -612,6 +645,7 @@ def _segment_outputs(q, k, v, starts, *, reverse, config):
             q, k, v, o, starts.tensor, final_state, T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
+            FLOAT32_PRECISION=config["FLOAT32_PRECISION"],
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state

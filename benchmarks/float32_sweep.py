@@ -1,0 +1,308 @@
+"""float32 on tensor cores: every precision setting of PyTorch against candidate chunked configs.
+
+    python benchmarks/float32_sweep.py --out results/float32_sweep.json
+
+float32 inputs follow ``torch.get_float32_matmul_precision()``: "highest" multiplies with 3xTF32,
+"high" and "medium" with TF32 (the kernel files' ``FLOAT32_PRECISIONS``; "medium" launches the
+same kernels as "high", so it is timed only with ``--settings``). For each shape (``--shapes``,
+by default the four reference shapes), forward ("fwd") and forward+backward ("fwd+bwd"), this
+times:
+
+- per setting, ``chunked`` with the wrapper's rule ("rule") and with each candidate config of
+  ``CANDIDATES`` (CHUNK, BLOCK_E, num_warps, num_stages; at most 8 per head size), through the
+  kernel file's public ``chunked_causal_product``; ``recurrent`` and ``scan`` with their rules;
+- once, the peers when importable: fast-transformers' ``causal_dot_product`` (a CUDA kernel in
+  float32, unaffected by the setting) and fla's ``chunk_linear_attn`` and
+  ``fused_chunk_linear_attn`` in float32 (their own TF32 products; ``scale=1.0,
+  normalize=False``, (B, T, H, D) layout, transposed outside the timed region).
+
+Each row: the median ms of ``triton.testing.do_bench`` (CPU mode: the median wall time of two
+calls, which says nothing about a GPU) and ``rel_err``, ||x - ref|| / ||ref|| against float64 on
+batch 0 and the first two heads: of o for "fwd", the largest over dq, dk, dv for "fwd+bwd" (the
+float64 gradients are causal products themselves, computed once per shape on the device, see
+``reference_gradients``). The run prints the table and, per (shape, setting, mode), the fastest
+chunked config whose error meets the setting's bound (``ERROR_BOUNDS``), beside
+fast-transformers and fla; ``--out`` also gets every row as JSON with the date, GPU, versions and
+command.
+
+Work is ordered so that a time limit (``--max-seconds``, 200 by default: the whole run stays under
+four minutes on one H200, compilation included) cuts the least useful part: first every shape's
+peers, rules and references, then the candidates, shape by shape; rows not timed in time say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from ttx_tutorial.bench import REFERENCE_SHAPES, parse_shapes  # noqa: E402
+from ttx_tutorial.kernels import chunked  # noqa: E402
+from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
+
+SETTINGS = ("highest", "high")
+MODES = ("fwd", "fwd+bwd")
+#: The relative error a setting must keep to count as a candidate for its default: float32's
+#: tolerance for "highest", float16's (TF32 has its 10 significand bits) for "high" and "medium".
+ERROR_BOUNDS = {"highest": 1e-5, "high": 1e-2, "medium": 1e-2}
+
+#: Candidate configs by the head size they are meant for (BLOCK_D = 64, or 128 and above);
+#: float32 tiles take twice a 16-bit tile's shared memory, and every candidate fits an H100/H200's.
+#: Compiled for sm_90 with Triton 3.9, 3xTF32 at 32- and 64-token chunks uses all 255 registers
+#: and spills (hundreds of bytes a thread at D = 64, over a thousand at D = 128), while 16-token
+#: chunks (mma.sync instead of wgmma) spill little or nothing (nothing at D = 64 with 64 value
+#: columns on 8 warps or 32 on 4): both kinds are here.
+CANDIDATES = {
+    64: [
+        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 128, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+    ],
+    128: [
+        {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
+    ],
+}
+#: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
+CPU_SHAPES = ((1, 2, 40, 16, 16),)
+CPU_CANDIDATES = [{"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}]
+#: Heads checked against float64 (of batch 0).
+CHECKED_HEADS = 2
+
+
+def candidates_for(D):
+    if ttx_tutorial.INTERPRETED:
+        return CPU_CANDIDATES
+    return CANDIDATES[64 if D <= 64 else 128]
+
+
+def median_ms(fn, leaves):
+    """Median ms of one call; ``leaves``' gradients are cleared before each."""
+    if ttx_tutorial.INTERPRETED:
+        samples = []
+        for _ in range(2):
+            for leaf in leaves:
+                leaf.grad = None
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+    return float(do_bench(fn, warmup=10, rep=50, grad_to_none=leaves, return_mode="median"))
+
+
+def reversed_in_time(x):
+    return x.flip(2)
+
+
+def reference_gradients(q, k, v, grad_o):
+    """dq, dk, dv of <o, grad_o> in float64, each a causal product of the inputs:
+    dq_t = sum_{s<=t} (dO_t . v_s) k_s, and in reverse time dk_s = sum_{t>=s} (v_s . dO_t) q_t and
+    dv_s = sum_{t>=s} (k_s . q_t) dO_t."""
+    device = q.device
+    dq = reference(grad_o, v, k, device=device, chunk=2048)[0]
+    r = reversed_in_time
+    dk = r(reference(r(v), r(grad_o), r(q), device=device, chunk=2048)[0])
+    dv = r(reference(r(k), r(q), r(grad_o), device=device, chunk=2048)[0])
+    return dq, dk, dv
+
+
+class Shape:
+    """Inputs of one shape and their float64 references (batch 0, the first heads)."""
+
+    def __init__(self, shape, seed):
+        B, H, T, D, E = shape
+        self.shape = shape
+        self.q, self.k, self.v = random_inputs(B, H, T, D, E, seed=seed, device=ttx_tutorial.DEVICE)
+        self.grad_o = torch.randn(B, H, T, E, device=self.q.device)
+        self._references = None
+
+    def references(self):
+        if self._references is None:
+            q, k, v, grad_o = (x[:1, :CHECKED_HEADS] for x in (self.q, self.k, self.v, self.grad_o))
+            self._references = {"fwd": (reference(q, k, v, device=q.device, chunk=2048)[0],),
+                                "fwd+bwd": reference_gradients(q, k, v, grad_o)}
+        return self._references
+
+    def error(self, mode, outputs, time_major=False):
+        checked = [x[:1, :, :CHECKED_HEADS] if time_major else x[:1, :CHECKED_HEADS] for x in outputs]
+        if time_major:
+            checked = [x.transpose(1, 2) for x in checked]
+        return max(relative_error(x, ref) for x, ref in zip(checked, self.references()[mode]))
+
+
+def timed(point: Shape, mode, function, time_major=False):
+    """(ms, rel_err) of function(q, k, v) -> o."""
+    tensors = (point.q, point.k, point.v, point.grad_o)
+    if time_major:
+        tensors = tuple(x.transpose(1, 2).contiguous() for x in tensors)
+    q, k, v, grad_o = tensors
+    if mode == "fwd":
+        error = point.error(mode, [function(q, k, v)], time_major)
+        return median_ms(lambda: function(q, k, v), []), error
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+
+    def call():
+        function(*leaves).backward(grad_o)
+
+    call()
+    error = point.error(mode, [x.grad for x in leaves], time_major)
+    return median_ms(call, leaves), error
+
+
+def peers():
+    """name -> function(q, k, v) -> o, and whether it takes (B, T, H, D); and why others are absent."""
+    found, missing = {}, {}
+    if ttx_tutorial.INTERPRETED:
+        return found, {"fast_transformers": "GPU only", "fla": "GPU only"}
+    try:
+        from fast_transformers.causal_product import causal_dot_product
+        found["fast_transformers"] = (causal_dot_product, False)
+    except Exception as exc:  # noqa: BLE001  optional
+        missing["fast_transformers"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
+        for name, fn in (("fla_chunk", chunk_linear_attn), ("fla_fused_chunk", fused_chunk_linear_attn)):
+            found[name] = ((lambda fn: lambda q, k, v: fn(q, k, v, scale=1.0, normalize=False)[0])(fn), True)
+    except Exception as exc:  # noqa: BLE001  optional
+        missing["fla"] = f"{type(exc).__name__}: {exc}"
+    return found, missing
+
+
+def jobs(shapes, settings, peer_functions):
+    """(shape index, setting, implementation, config, function, time_major), most useful first."""
+    first, second = [], []
+    for index, (B, H, T, D, E) in enumerate(shapes):
+        for name, (function, time_major) in peer_functions.items():
+            first.append((index, None, name, None, function, time_major))
+        for setting in settings:
+            for method in ("chunked", "scan", "recurrent"):
+                first.append((index, setting, method, "rule",
+                              (lambda m: lambda q, k, v: ttx_tutorial.causal_product(q, k, v, m))(method), False))
+            for config in candidates_for(D):
+                second.append((index, setting, "chunked", config,
+                               (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(config),
+                               False))
+    return first + second
+
+
+def run(shapes, settings, max_seconds):
+    start = time.perf_counter()
+    peer_functions, missing = peers()
+    points = {}
+    rows = []
+    for index, setting, impl, config, function, time_major in jobs(shapes, settings, peer_functions):
+        for mode in MODES:
+            row = {"shape": list(shapes[index]), "impl": impl, "setting": setting, "config": config,
+                   "mode": mode, "ms": None, "rel_err": None, "note": None}
+            rows.append(row)
+            if time.perf_counter() - start > max_seconds:
+                row["note"] = f"not timed: past --max-seconds {max_seconds}"
+                continue
+            if index not in points:
+                points = {index: Shape(shapes[index], seed=index)}  # one shape's tensors at a time
+            torch.set_float32_matmul_precision(setting or "highest")
+            try:
+                row["ms"], row["rel_err"] = timed(points[index], mode, function, time_major)
+            except Exception as exc:  # noqa: BLE001  a config that fails (resources) must not end the run
+                row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                if not ttx_tutorial.INTERPRETED:
+                    torch.cuda.synchronize()
+            print(line(row), flush=True)
+    torch.set_float32_matmul_precision("highest")
+    return rows, missing, time.perf_counter() - start
+
+
+def config_label(config):
+    if config is None or config == "rule":
+        return config or ""
+    return "E{BLOCK_E} C{CHUNK} w{num_warps} s{num_stages}".format(**config)
+
+
+def line(row):
+    ms = "-" if row["ms"] is None else f"{row['ms']:.3f}"
+    err = "-" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
+    return (f"{'x'.join(map(str, row['shape'][:4])):>18} {row['mode']:>7} {row['setting'] or '':>7} "
+            f"{row['impl']:>17} {config_label(row['config']):>18} {ms:>9} {err:>8}  {row['note'] or ''}")
+
+
+def summary(rows):
+    """Per (shape, setting, mode): the fastest chunked config within the setting's error bound,
+    beside the peers' times."""
+    out = ["", "best chunked config per (shape, setting, mode), error within the setting's bound:"]
+    keys = sorted({(tuple(r["shape"]), r["setting"], r["mode"]) for r in rows if r["setting"]},
+                  key=lambda key: (key[0], key[1], key[2]))
+    for shape, setting, mode in keys:
+        same = [r for r in rows if tuple(r["shape"]) == shape and r["mode"] == mode]
+        ours = [r for r in same if r["setting"] == setting and r["impl"] == "chunked" and r["ms"] is not None
+                and r["rel_err"] is not None and r["rel_err"] <= ERROR_BOUNDS[setting]]
+        peers_ms = {r["impl"]: r["ms"] for r in same if r["setting"] is None and r["ms"] is not None}
+        others = {r["impl"]: r["ms"] for r in same if r["setting"] == setting and r["impl"] != "chunked"
+                  and r["ms"] is not None}
+        best = min(ours, key=lambda r: r["ms"]) if ours else None
+        text = (f"{best['ms']:.3f} ms ({config_label(best['config'])}, err {best['rel_err']:.1e})"
+                if best else "none within bound")
+        beside = ", ".join(f"{name} {ms:.3f}" for name, ms in {**others, **peers_ms}.items())
+        out.append(f"{'x'.join(map(str, shape[:4])):>18} {setting:>7} {mode:>7}: {text}; {beside}")
+    return "\n".join(out)
+
+
+def environment(command):
+    gpu = "cpu (Triton interpreter)" if ttx_tutorial.INTERPRETED else torch.cuda.get_device_name()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
+            "torch": torch.__version__, "triton": triton.__version__, "command": command}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=None, help="'B,H,T,D[,E];...' (default: the reference shapes)")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="torch.set_float32_matmul_precision values, comma-separated")
+    parser.add_argument("--max-seconds", type=float, default=200.0, help="start no timing after this")
+    parser.add_argument("--out", default=None, help="JSON file for every row and the environment")
+    args = parser.parse_args(argv)
+    if args.shapes is not None:
+        shapes = parse_shapes(args.shapes, "--shapes")
+    else:
+        shapes = CPU_SHAPES if ttx_tutorial.INTERPRETED else REFERENCE_SHAPES
+    settings = tuple(s for s in args.settings.split(",") if s)
+    unknown = set(settings) - set(ERROR_BOUNDS)
+    if unknown:
+        parser.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(ERROR_BOUNDS)}")
+    env = environment(" ".join(["python", *sys.argv]) if argv is None else " ".join(["float32_sweep", *argv]))
+    print(json.dumps(env))
+    rows, missing, seconds = run(shapes, settings, args.max_seconds)
+    for name, why in missing.items():
+        print(f"{name}: not timed ({why})")
+    print(summary(rows))
+    print(f"\n{seconds:.0f} s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**env, "seconds": seconds, "missing": missing, "rows": rows},
+                                             indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""float32 inputs follow ``torch.get_float32_matmul_precision()``: which product precision and
+which configuration the chunked and scan kernels launch with under each setting, and that the
+results stay within float32's tolerance under every setting.
+
+The interpreter multiplies float32 exactly whatever ``input_precision`` says, so on the CPU
+these tests check the rule (the constexpr and the configuration each launch receives) and the
+new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy.
+"""
+
+import contextlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ttx_tutorial
+from ttx_tutorial.kernels import chunked, scan
+from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
+                                  reference_gradients, relative_error)
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+SETTINGS = ("highest", "high", "medium")
+EXPECTED_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+#: TF32 keeps float16's 10 significand bits, so it gets float16's tolerance.
+TF32_TOLERANCE = TOLERANCES[torch.float16]
+
+
+@pytest.fixture
+def matmul_precision():
+    """Sets PyTorch's float32 matmul precision for one test and restores it afterwards."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
+def recorded_launches(module):
+    """Every launch of the module's ``*_kernel`` functions, run as usual and recorded as
+    (kernel name, keyword arguments): the constexprs, num_warps and num_stages."""
+    kernels = {name: obj for name, obj in vars(module).items()
+               if name.endswith("_kernel") and hasattr(obj, "run")}
+    launches = []
+
+    def recorder(name, kernel):
+        original = type(kernel).run
+
+        def run(*args, **kwargs):
+            launches.append((name, kwargs))
+            return original(kernel, *args, **kwargs)
+        return run
+
+    for name, kernel in kernels.items():
+        kernel.run = recorder(name, kernel)
+    try:
+        yield launches
+    finally:
+        for kernel in kernels.values():
+            del kernel.run
+
+
+def test_every_setting_of_pytorch_has_a_precision():
+    for family in (chunked, scan):
+        assert family.FLOAT32_PRECISIONS == EXPECTED_PRECISION
+
+
+@pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_launches_follow_the_setting_at_each_call(family, matmul_precision, device):
+    """One process, the setting changed between calls: each float32 launch, forward and backward,
+    gets the precision of the setting at its call; 16-bit launches always get "tf32"."""
+    q, k, v = random_inputs(1, 2, 40, 16, 24, device=device, seed=3, requires_grad=True)
+    half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    for setting in (*SETTINGS, "highest"):
+        matmul_precision(setting)
+        for inputs, expected in ((q, k, v), EXPECTED_PRECISION[setting]), (half, "tf32"):
+            with recorded_launches(family) as launches:
+                o, _ = family._run_validated(*inputs)
+                o.sum().backward()
+            assert launches, "no launch was recorded"
+            assert {kwargs["FLOAT32_PRECISION"] for _, kwargs in launches
+                    if "FLOAT32_PRECISION" in kwargs} == {expected}, (setting, inputs[0].dtype)
+
+
+def _chunked_rule(D, E, precision):
+    return chunked.default_config(D, E, torch.float32, float32_precision=precision)
+
+
+def test_chunked_float32_configs_are_tensor_core_tiles():
+    """Tensor-core precisions need tensor-core tiles: chunks and value blocks of at least 32 up to
+    D = 128, as the 16-bit configs; the precision may change the warps only."""
+    for D, E in ((16, 16), (64, 64), (128, 128), (100, 200), (256, 256)):
+        for precision in ("tf32x3", "tf32"):
+            config = _chunked_rule(D, E, precision)
+            assert config["CHUNK"] >= 32 or D > 128, (D, E, precision, config)
+            assert config["BLOCK_E"] >= 32, (D, E, precision, config)
+            assert chunked._shared_memory_estimate(chunked._block(D), config, torch.float32) \
+                <= chunked._NOMINAL_LIMITS[1]
+        exact, fast = _chunked_rule(D, E, "tf32x3"), _chunked_rule(D, E, "tf32")
+        assert {key: value for key, value in exact.items() if key != "num_warps"} == \
+            {key: value for key, value in fast.items() if key != "num_warps"}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, device):
+    matmul_precision(setting)
+    B, H, T, D, E = 1, 2, 70, 64, 64
+    q, k, v = random_inputs(B, H, T, D, E, device=device, seed=4)
+    with recorded_launches(chunked) as launches:
+        chunked._run_validated(q, k, v)
+    ((_, kwargs),) = launches
+    multiprocessors, shared_memory = chunked._device_limits(q.device)
+    rule = chunked.default_config(D, E, torch.float32, heads=B * H,
+                                  multiprocessors=None if ttx_tutorial.INTERPRETED else multiprocessors,
+                                  shared_memory=shared_memory, float32_precision=EXPECTED_PRECISION[setting])
+    assert {key: kwargs[key] for key in rule} == rule
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_scan_launches_the_rule_of_the_setting(setting, matmul_precision, device):
+    matmul_precision(setting)
+    B, H, T, D, E = 1, 1, 300, 64, 64
+    q, k, v = random_inputs(B, H, T, D, E, device=device, seed=5)
+    with recorded_launches(scan) as launches:
+        scan._run_validated(q, k, v, config={"SEGMENT_LEN": 128})
+    rule = scan._default_blocks(D, E, torch.float32, EXPECTED_PRECISION[setting])
+    assert [name for name, _ in launches] == ["scan_summaries_kernel", "scan_outputs_kernel"]
+    for _, kwargs in launches:
+        assert kwargs["CHUNK"] == rule["CHUNK"] and kwargs["BLOCK_E"] == rule["BLOCK_E"]
+        assert kwargs["num_warps"] == rule["num_warps"] and kwargs["num_stages"] == rule["num_stages"]
+
+
+# (B, H, T, D, E, with initial state): several 64- and 32-token chunks with a partial last one;
+# D and E across the 64 and 128 boundaries of the rules.
+SHAPES = [(1, 2, 150, 64, 64, True), (2, 1, 75, 100, 40, False)]
+
+
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-S0" if s[5] else ""))
+def test_results_within_float32_tolerance_under_every_setting(shape, setting, method, matmul_precision,
+                                                              device):
+    """The wrapper's own rule (the new float32 tiles), forward and every gradient, against
+    float64, with NaN-poisoned outputs. Under the interpreter float32 products are exact for
+    every setting, so float32's tolerance holds for all three."""
+    matmul_precision(setting)
+    B, H, T, D, E, with_state = shape
+    q, k, v, s0 = random_inputs(B, H, T, D, E, device=device, seed=10 * SHAPES.index(shape) + SETTINGS.index(setting),
+                                initial_state=True, requires_grad=True)
+    s0 = s0 if with_state else None
+    grad_o = torch.randn(B, H, T, E, device=device)
+    grad_state = torch.randn(B, H, D, E, device=device)
+    with poisoned_allocations():
+        o, state = ttx_tutorial.causal_product(q, k, v, method, initial_state=s0, return_state=True)
+        torch.autograd.backward((o, state), (grad_o, grad_state))
+    ref_o, ref_state, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
+    tolerance = TOLERANCES[torch.float32] if ttx_tutorial.INTERPRETED or setting == "highest" else TF32_TOLERANCE
+    for name, value, expected in (("o", o, ref_o), ("S_T", state, ref_state),
+                                  *((name, x.grad, ref_grads[name]) for name, x in
+                                    (("q", q), ("k", k), ("v", v), ("initial_state", s0)) if x is not None)):
+        error = relative_error(value, expected)
+        assert error <= tolerance, f"{method} {setting} {name}: relative error {error:.2e} above {tolerance:.0e}"
+
+
+# Why 3xTF32 adds each chunk's state product in rounded float32: a float64 emulation of the
+# tensor cores' float32 arithmetic (as measured by Fasi et al., "Numerical behavior of NVIDIA
+# tensor cores", 2021): TF32 operands (3xTF32's big part rounded to nearest, its remainder and
+# plain TF32 operands cut to TF32), exact products, and the accumulator truncated to float32
+# after every k-step of 8. It reproduces the 1.5e-3 error of fla's TF32 chunk at the benchmark's
+# head size.
+
+def _tf32_cut(x):
+    return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+def _tf32_rounded(x):
+    return ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _truncated_to_float32(x):
+    y = x.float()
+    return torch.where(y.double().abs() > x.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def _mma(a, b, acc):
+    for k0 in range(0, a.shape[1], 8):
+        acc = _truncated_to_float32(acc.double() + a[:, k0:k0 + 8].double() @ b[k0:k0 + 8].double())
+    return acc
+
+
+def _emulated_dot(a, b, acc, precision):
+    if precision == "tf32":
+        return _mma(_tf32_cut(a), _tf32_cut(b), acc)
+    a_big, b_big = _tf32_rounded(a), _tf32_rounded(b)
+    acc = _mma(_tf32_cut(a - a_big), b_big, acc)  # the order of Triton's tf32x3 decomposition
+    acc = _mma(a_big, _tf32_cut(b - b_big), acc)
+    return _mma(a_big, b_big, acc)
+
+
+def _emulated_chunked(q, k, v, chunk, precision, rounded_state):
+    T, D = q.shape
+    E = v.shape[1]
+    state, o = torch.zeros(D, E), torch.empty(T, E)
+    visible = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    for start in range(0, T, chunk):
+        q_c, k_t, v_c = q[start:start + chunk], k[start:start + chunk].T.contiguous(), v[start:start + chunk]
+        scores = torch.where(visible, _emulated_dot(q_c, k_t, torch.zeros(chunk, chunk), precision), 0.0)
+        o_c = _emulated_dot(q_c, state, torch.zeros(chunk, E), precision)
+        o[start:start + chunk] = _emulated_dot(scores, v_c, o_c, precision)
+        if rounded_state:
+            state = state + _emulated_dot(k_t, v_c, torch.zeros(D, E), precision)
+        else:
+            state = _emulated_dot(k_t, v_c, state, precision)
+    return o
+
+
+def test_emulated_3xtf32_needs_the_state_added_in_rounded_float32():
+    """32 chunks of 64 tokens at D = E = 64: accumulated inside the tensor core, 3xTF32's three
+    truncating additions a chunk bias the state past float32's tolerance; added in rounded
+    float32, the error stays far below it. TF32 alone errs near 1e-3."""
+    T, D, chunk = 2048, 64, 64
+    q, k, v = random_inputs(1, 1, T, D, seed=21)
+    q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    expected = (q.double() @ k.double().T).tril() @ v.double()
+    errors = {(precision, rounded): relative_error(_emulated_chunked(q, k, v, chunk, precision, rounded), expected)
+              for precision, rounded in (("tf32x3", True), ("tf32x3", False), ("tf32", False))}
+    assert errors["tf32x3", True] <= TOLERANCES[torch.float32] / 5, errors
+    # The truncation bias is systematic (it grows with the additions, not with the seed).
+    assert errors["tf32x3", False] > max(TOLERANCES[torch.float32], 5 * errors["tf32x3", True]), errors
+    assert 1e-4 < errors["tf32", False] <= TF32_TOLERANCE, errors
+
+
+# On the GPU: tensor cores really round. (B, H, T, D): the main benchmark's head sizes, and a
+# long sequence (1024 chunks of 64 tokens) where a truncating accumulation of the state would
+# show as a bias that grows with T.
+GPU_SHAPES = [(2, 4, 4096, 64), (1, 4, 4096, 128), (1, 2, 65536, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_highest_keeps_float32_accuracy_and_high_takes_tf32(shape, method, matmul_precision):
+    q, k, v = random_inputs(*shape, device="cuda", seed=11)
+    ref_o, ref_state = reference(q, k, v, device="cuda")
+    errors = {}
+    for setting in ("highest", "high"):
+        matmul_precision(setting)
+        with poisoned_allocations():
+            o, state = ttx_tutorial.causal_product(q, k, v, method, return_state=True)
+        errors[setting] = relative_error(o, ref_o), relative_error(state, ref_state)
+    assert max(errors["highest"]) <= TOLERANCES[torch.float32], errors
+    assert max(errors["high"]) <= TF32_TOLERANCE, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+def test_highest_gradients_keep_float32_accuracy(method, matmul_precision):
+    matmul_precision("highest")
+    q, k, v, s0 = random_inputs(2, 2, 2048, 64, device="cuda", seed=12, initial_state=True, requires_grad=True)
+    grad_o = torch.randn_like(v)
+    grad_state = torch.randn_like(s0)
+    o, state = ttx_tutorial.causal_product(q, k, v, method, initial_state=s0, return_state=True)
+    torch.autograd.backward((o, state), (grad_o, grad_state))
+    _, _, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
+    for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", s0)):
+        assert_close(x.grad.cpu(), ref_grads[name], torch.float32, f"d{name}")
+
+
+
+def test_float32_sweep_runs_on_a_tiny_shape(tmp_path):
+    """benchmarks/float32_sweep.py on one tiny shape under "highest": every row of our methods
+    timed, with its error (forward, or the gradients) within float32's tolerance; the JSON written."""
+    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--shapes", "1,1,17,16", "--settings", "highest", "--out", str(out)]) == 0
+    ours = [row for row in json.loads(out.read_text())["rows"] if row["setting"] == "highest"]
+    assert {(row["impl"], row["mode"]) for row in ours} == {
+        (impl, mode) for impl in ("chunked", "scan", "recurrent") for mode in ("fwd", "fwd+bwd")}
+    assert any(isinstance(row["config"], dict) for row in ours), "no candidate config was timed"
+    for row in ours:
+        assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
