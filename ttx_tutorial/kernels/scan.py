@@ -730,12 +730,39 @@ def _check_dense(name, x):
                         "convert it with .to_dense()")
 
 
-def check_inputs(q, k, v, initial_state, method='scan'):
+def check_cu_seqlens(q, cu_seqlens):
+    """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
+    batch of one: 0 first, non-decreasing, total_T last (empty sequences allowed), read back to
+    the host once."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 offsets for N sequences, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device ({q.device}), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
+                         f"(1, H, total_T, D); got B={q.shape[0]}")
+    first, last, decreasing = torch.stack(
+        [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {decreasing} offsets below the one before")
+    if last != q.shape[2]:
+        raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
+
+
+def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device."""
+    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
+    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -789,14 +816,19 @@ def check_inputs(q, k, v, initial_state, method='scan'):
                 f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
                 f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
             )
+    if cu_seqlens is not None:
+        check_cu_seqlens(q, cu_seqlens)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
-        expected = (*q.shape[:2], D, E)
+        if cu_seqlens is None:
+            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+        else:  # one state per packed sequence
+            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(
-                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+                f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
             )
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
@@ -828,20 +860,22 @@ def _resolved(q, k, v, initial_state):
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
-def scan_causal_product(q, k, v, initial_state=None, *, config=None):
+def scan_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
-    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
-    check_inputs(q, k, v, initial_state)
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
+    cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of
+    one (q, k: (1, H, total_T, D)); no state crosses a boundary, and the states are (N, H, D, E)."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens)
     if initial_state is not None:  # the API converts it once, before calling _run_validated
         initial_state = initial_state.float()
-    return _run_validated(q, k, v, initial_state, config)
+    return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     """``scan_causal_product`` for inputs already through ``check_inputs`` (the package's API
     makes the same checks, once)."""
     if config is not None:
