@@ -69,8 +69,9 @@ def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
     initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
-    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
+    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L) (packed: the table's)
     reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -79,6 +80,7 @@ def scan_summaries_kernel(
     BLOCK_E: tl.constexpr,          # the value columns this program owns
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
+    IS_VARLEN: tl.constexpr,        # k, v hold the table's sequences packed along T of one row
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
     program of a (batch*head, value block) to finish then runs pass 2."""
@@ -95,8 +97,12 @@ def scan_summaries_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
 
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -131,15 +137,17 @@ def scan_summaries_kernel(
     arrived = tl.atomic_add(arrivals_ptr + bh * e_blocks + e_block, 1, sem="acq_rel")
     if arrived == n_segments - 2:
         initial_state_ptr += b64 * stride_s0b + h64 * stride_s0h
-        _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
-                           e_block, BLOCK_D, BLOCK_E)
+        _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
+                           D, E, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN)
 
 
 @triton.jit
-def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
-                       e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
+                       D, E, n_segments, reverse, e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
-    slot 0. states_ptr: this head's (NS, D, E) buffer.
+    slot 0. states_ptr: this head's (NS, D, E) buffer. Packed (IS_VARLEN), the scan restarts at
+    the first walked segment of each sequence, from that sequence's S_0 (row ``seq`` of S_0).
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
@@ -150,14 +158,25 @@ def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D,
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
         offs_state = offs_d[:, None] * E + offs_e[None, :]
-        b_carry = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
-                          mask=mask, other=0.0)
+        offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
+        first_seq = 0
+        if IS_VARLEN:
+            first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
+        b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
         slot_ptr = states_ptr  # a scalar that steps D * E a slot: fewer registers than a tile of pointers
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
-        for _ in range(1, n_segments):
+        for walk in range(1, n_segments):
             slot_ptr += D * E
             # .cg reads from L2: other multiprocessors wrote these sums.
-            b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            b_sum = tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0
+                segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
+                seq = tl.load(segments_ptr + segment)
+                starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
+                b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+                b_carry = tl.where(starts_sequence, b_s0, b_carry + b_sum)
+            else:
+                b_carry += b_sum
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
 
@@ -165,7 +184,8 @@ def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D,
 def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
-    final_state_ptr,                # float32 (B*H, D, E), contiguous
+    final_state_ptr,                # float32 (B*H, D, E), contiguous (packed: one per sequence and head)
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     reverse,                        # 1: walk from last to first, so that o_t sees tokens j >= t
@@ -178,6 +198,7 @@ def scan_outputs_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -197,8 +218,17 @@ def scan_outputs_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:  # the table's segment: its sequence, first token, length; it ends S_T if last walked
+        seq = tl.load(segments_ptr + segment)
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+        ends_walk = (tl.load(segments_ptr + 3 * n_segments + segment) & (2 - reverse)) != 0
+        final_row = seq * H + h
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
+        ends_walk = walk == n_segments - 1
+        final_row = bh
     n_chunks = (tokens + CHUNK - 1) // CHUNK
 
     offs_c = tl.arange(0, CHUNK)
@@ -242,8 +272,8 @@ def scan_outputs_kernel(
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
 
-    if walk == n_segments - 1:  # the last walked segment ends on S_T
-        final_state_ptr += bh.to(tl.int64) * D * E
+    if ends_walk:  # the last walked segment (of its sequence) ends on S_T
+        final_state_ptr += final_row.to(tl.int64) * D * E
         tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
 
 
@@ -254,6 +284,7 @@ def scan_backward_kernel(
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
     ds0_ptr,                        # float32 (B*H, D, E), contiguous: dS_0, written by segment 0
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     compute_dq,                     # 0: q needs no gradient; skip the forward walk (dq_ptr unused)
@@ -270,6 +301,7 @@ def scan_backward_kernel(
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
@@ -278,7 +310,7 @@ def scan_backward_kernel(
     segments of Q^T dO (D x E), with U the upper triangle,
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
-    and the program of the first segment stores the final R, dS_0."""
+    and the program of the first segment (of its sequence, when packed) stores the final R, dS_0."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
@@ -289,8 +321,17 @@ def scan_backward_kernel(
     bh = pid // n_segments
     b = bh // H
     h = bh % H
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:  # as in scan_outputs_kernel
+        seq = tl.load(segments_ptr + segment)
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+        starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & 1) != 0
+        ds0_row = seq * H + h
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
+        starts_sequence = segment == 0
+        ds0_row = bh
     n_chunks = (tokens + CHUNK - 1) // CHUNK
 
     offs_c = tl.arange(0, CHUNK)
@@ -365,8 +406,8 @@ def scan_backward_kernel(
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
                  _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
-    if segment == 0:  # the reverse walk ends on dS_0
-        ds0_ptr += bh.to(tl.int64) * D * E
+    if starts_sequence:  # the reverse walk ends on dS_0
+        ds0_ptr += ds0_row.to(tl.int64) * D * E
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
 
@@ -576,11 +617,36 @@ class _States:
         return replace(self, strides=(sb, sh, sw, se, sd))
 
 
-def _segment_starts(k, v, initial, *, reverse, config):
-    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order."""
+def _segment_table(cu_seqlens, segment_len, T):
+    """The segments of packed sequences, int32 (4, NS): per segment its sequence, first token,
+    token count and flags (1: first segment of its sequence, 2: its last). Each sequence is cut
+    into segments of ``segment_len`` tokens from its own first token (an empty one gets one empty
+    segment, which carries S_0 to S_T), so no segment or chunk straddles a boundary. Built by
+    torch operations on the device, without reading the offsets back: NS = T // L + N bounds
+    the count, and the unused tail is empty segments (sequence 0, no tokens, no flags)."""
+    n_sequences = cu_seqlens.shape[0] - 1
+    offsets = cu_seqlens.long()
+    lengths = offsets[1:] - offsets[:-1]
+    counts = torch.clamp((lengths + segment_len - 1) // segment_len, min=1)
+    ends = torch.cumsum(counts, 0)
+    index = torch.arange(T // segment_len + n_sequences, device=cu_seqlens.device)
+    seq = torch.searchsorted(ends, index, right=True)
+    used = seq < n_sequences
+    seq = torch.clamp(seq, max=n_sequences - 1)
+    position = index - (ends - counts)[seq]
+    start = offsets[seq] + position * segment_len
+    tokens = torch.clamp(offsets[seq + 1] - start, max=segment_len)
+    flags = (position == 0).long() + 2 * (position == counts[seq] - 1).long()
+    table = torch.stack([seq, start, tokens, flags]) * used
+    return table.to(torch.int32)
+
+
+def _segment_starts(k, v, initial, *, reverse, config, segments=None):
+    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
+    ``segments``: the table of packed sequences (``_segment_table``), or None."""
     B, H, T, D = k.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    n_segments = triton.cdiv(T, config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     if n_segments <= 1:
         return initial
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
@@ -590,69 +656,79 @@ def _segment_starts(k, v, initial, *, reverse, config):
     sb, sh, _, sd, se = initial.strides
     with _launch_guard():
         scan_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
-            k, v, states, initial.tensor, arrivals, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            k, v, states, initial.tensor, arrivals, arrivals if segments is None else segments,
+            T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            IS_VARLEN=segments is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
 
 
-def _segment_outputs(q, k, v, starts, *, reverse, config):
-    """Pass 3: o and the final state, every segment from its start state."""
+def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None):
+    """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
+    one final state per sequence: (n_sequences, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, config["SEGMENT_LEN"])
+    n_segments = triton.cdiv(T, config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
-    final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    final_state = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device,
+                              dtype=torch.float32)
     with _launch_guard():
         scan_outputs_kernel[(B * H * n_segments * triton.cdiv(E, block_e),)](
-            q, k, v, o, starts.tensor, final_state, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            q, k, v, o, starts.tensor, final_state, final_state if segments is None else segments,
+            T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            IS_VARLEN=segments is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state
 
 
-def _launch(q, k, v, initial_state, config):
+def _launch(q, k, v, initial_state, config, cu_seqlens=None):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
-    length)."""
+    length, segment table or None). Packed (``cu_seqlens``): segments cut per sequence
+    (``_segment_table``), one state per sequence."""
     B, H, T, D = q.shape
     E = v.shape[-1]
+    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if T == 0:  # nothing to walk: S_T is S_0
-        final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+        final_state = torch.empty(n_states, H, D, E, device=q.device, dtype=torch.float32)
         if initial_state is None:
             final_state.zero_()
         else:
             final_state.copy_(initial_state)
-        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None
+        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None
     resolved = _resolve_config(q, v, config)
+    segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
-    starts = _segment_starts(k, v, initial, reverse=False, config=resolved)
-    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved)
-    return o, final_state, starts, resolved["SEGMENT_LEN"]
+    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments)
+    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, segments=segments,
+                                      n_sequences=n_states)
+    return o, final_state, starts, resolved["SEGMENT_LEN"], segments
 
 
-def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq):
-    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
+def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
+                     segments=None, n_sequences=None):
+    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
+    is (n_sequences, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = triton.cdiv(T, segment_len)
+    n_segments = triton.cdiv(T, segment_len) if segments is None else segments.shape[1]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
-    ds0 = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    ds0 = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device, dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
     with _launch_guard():
         scan_backward_kernel[(B * H * n_segments,)](
             q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
-            T, H, D, E, segment_len, n_segments, int(compute_dq),
+            ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
             *forward_starts.strides, *suffix_starts.strides,
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None,
             num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
@@ -660,25 +736,27 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
 
 class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        o, final_state, starts, ctx.segment_len = _launch(q, k, v, initial_state, config)
-        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor)
+        o, final_state, starts, ctx.segment_len, segments = _launch(q, k, v, initial_state, config, cu_seqlens)
+        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments)
         ctx.start_strides = None if starts is None else starts.strides
+        ctx.n_states = final_state.shape[0]
         return o, final_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, start_tensor = ctx.saved_tensors
+        q, k, v, start_tensor, segments = ctx.saved_tensors
         need_q, need_k, need_v, need_initial = ctx.needs_input_grad[:4]
+        packed = {"segments": segments, "n_sequences": ctx.n_states}
         B, H, T, D = q.shape
         E = v.shape[-1]
         if T == 0:  # empty gradients for q, k, v; S_T = S_0 passes G through
             dq, dk, dv = (torch.zeros_like(x) if need else None
                           for x, need in ((q, need_q), (k, need_k), (v, need_v)))
-            return dq, dk, dv, grad_final_state if need_initial else None, None
+            return dq, dk, dv, grad_final_state if need_initial else None, None, None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
         grad_final = _States.initial(grad_final_state, q.device)
@@ -691,24 +769,26 @@ class _ScanCausalProduct(torch.autograd.Function):
         config = _resolve_config(k, grad_o, overrides)
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1])
         if fused is not None and need_suffix:
-            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
+            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
+                                            segments=segments)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused,
-                                                     compute_dq=need_q)
+                                                     compute_dq=need_q, **packed)
         else:
             if need_q:
                 dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
-                                         config=_resolve_config(grad_o, k, overrides))
+                                         config=_resolve_config(grad_o, k, overrides), **packed)
             if need_suffix:
-                suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
+                suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
+                                                segments=segments)
                 if need_v or need_initial:
                     dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True,
-                                                     config=config)
+                                                     config=config, **packed)
                 if need_k:
                     dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
-                                             config=_resolve_config(v, q, overrides))
+                                             config=_resolve_config(v, q, overrides), **packed)
         return (dq, dk if need_k else None, dv if need_v else None,
-                d_initial if need_initial else None, None)
+                d_initial if need_initial else None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -882,6 +962,6 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ScanCausalProduct.apply(q, k, v, initial_state, config)
+        return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, config)[:2]
+    return _launch(q, k, v, initial_state, config, cu_seqlens)[:2]
