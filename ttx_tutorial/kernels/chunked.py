@@ -20,7 +20,10 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
 ``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: its last
-element must sit at an offset below 2**31.
+element must sit at an offset below 2**31. Packed (``IS_VARLEN``, ``cu_seqlens`` of N + 1
+offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks sequence b,
+tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and the states are
+(N, H, D, E); the Kahan carry then follows the total length.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32 (TF32 would
 cost about 1e-3); bfloat16 rounds the float32 state and scores to bfloat16 (same exponent range);
 float16 keeps them in float32 (TF32 products, exact for float16 inputs), since a long sequence

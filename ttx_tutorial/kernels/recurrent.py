@@ -20,7 +20,9 @@ flags are runtime integers, so one compiled kernel per tile configuration serves
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
 slice are int32: its last element must sit at an offset below 2**31. Inputs float32, float16 or bfloat16;
-products and the state in float32; o in the input dtype.
+products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, ``cu_seqlens``
+of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
+sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as

@@ -25,7 +25,10 @@ wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
-keeps its start states, B*H*NS*D*E float32, for the backward.
+keeps its start states, B*H*NS*D*E float32, for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
+of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
+from its first token, listed in a table built on the device (``_segment_table``, no read back),
+and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
 rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
