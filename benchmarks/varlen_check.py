@@ -148,7 +148,7 @@ def print_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=65536 if ON_GPU else 384)
+    parser.add_argument("--tokens", type=int, default=65536 if ON_GPU else 256)
     parser.add_argument("--heads", type=int, default=16 if ON_GPU else 2)
     parser.add_argument("--dim", type=int, default=64 if ON_GPU else 16)
     parser.add_argument("--seed", type=int, default=0)

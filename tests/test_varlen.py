@@ -256,3 +256,30 @@ def test_gpu_packed_batch_at_realistic_size(method):
         for name, grad in zip(("q", "k", "v"), grads[:3]):
             assert_close(grad[:, :, part], expected[name], torch.bfloat16, f"d{name} of {where}")
         assert_close(grads[3][n:n + 1], expected["initial_state"], torch.bfloat16, f"dS0 of {where}")
+
+
+def test_scan_segment_table_matches_a_torch_construction():
+    """``scan_segments_kernel`` (one launch, no read back) against the same table built with
+    searchsorted: more sequences than one step of the kernel reads, more segments than one
+    program writes, empty sequences, segment lengths from 1 token on."""
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(6):
+        n_sequences = int(torch.randint(1, 150, (), generator=generator))
+        lengths = torch.randint(0, 100, (n_sequences,), generator=generator)
+        lengths[torch.rand(n_sequences, generator=generator) < 0.2] = 0
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        segment_len, T = int(torch.randint(1, 70, (), generator=generator)), int(offsets[-1])
+        counts = torch.clamp((lengths + segment_len - 1) // segment_len, min=1)
+        ends = counts.cumsum(0)
+        index = torch.arange(T // segment_len + n_sequences)
+        seq = torch.searchsorted(ends, index, right=True)
+        used = seq < n_sequences
+        seq = seq.clamp(max=n_sequences - 1)
+        position = index - (ends - counts)[seq]
+        start = offsets[seq] + position * segment_len
+        tokens = torch.clamp(offsets[seq + 1] - start, max=segment_len)
+        flags = (position == 0).long() + 2 * (position == counts[seq] - 1).long()
+        expected = torch.stack([seq, start, tokens, flags]) * used
+        offsets_dtype = (torch.int32, torch.int64)[trial % 2]
+        table = scan._segment_table(offsets.to(offsets_dtype).to(ttx_tutorial.DEVICE), segment_len, T)
+        assert torch.equal(table.cpu().long(), expected), f"trial {trial}: {n_sequences} sequences, L={segment_len}"

@@ -88,6 +88,7 @@ def recurrent_tokens_kernel(
     pid_bh = tl.program_id(0) // num_e_blocks
     b = (pid_bh // H).to(tl.int64)  # 64-bit: b * stride_qb can exceed 2**31 on large batches
     h = (pid_bh % H).to(tl.int64)
+    GROUPS: tl.constexpr = BLOCK_E // COLS
     # Packed: b numbers the sequence (its states are row b), which is tokens [bos, eos) of row 0.
     input_b = b
     if IS_VARLEN:
@@ -98,7 +99,6 @@ def recurrent_tokens_kernel(
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
-    GROUPS: tl.constexpr = BLOCK_E // COLS
 
     # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)

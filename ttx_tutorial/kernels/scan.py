@@ -27,7 +27,7 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
 keeps its start states, B*H*NS*D*E float32, for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
-from its first token, listed in a table built on the device (``_segment_table``, no read back),
+from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
 and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
 Precision: products accumulate in float32; float32 inputs multiply in IEEE float32; bfloat16
 rounds the float32 state and scores to bfloat16; float16 keeps them in float32 (TF32 products).
@@ -171,15 +171,13 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
         for walk in range(1, n_segments):
             slot_ptr += D * E
             # .cg reads from L2: other multiprocessors wrote these sums.
-            b_sum = tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
-            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0
+            b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
                 segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
                 seq = tl.load(segments_ptr + segment)
                 starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
                 b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-                b_carry = tl.where(starts_sequence, b_s0, b_carry + b_sum)
-            else:
-                b_carry += b_sum
+                b_carry = tl.where(starts_sequence, b_s0, b_carry)
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
 
@@ -414,6 +412,49 @@ def scan_backward_kernel(
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
 
+@triton.jit
+def scan_segments_kernel(
+    cu_seqlens_ptr,                 # (N + 1,) int32 or int64 offsets of the packed sequences
+    segments_ptr,                   # int32 (4, NS), written: the segment table (see _segment_table)
+    n_sequences, n_segments, segment_len,
+    BLOCK_S: tl.constexpr,          # segments per program
+    BLOCK_N: tl.constexpr,          # sequences read per step
+):
+    """The segment table of packed sequences, BLOCK_S segments a program. Sequence n owns
+    c_n = max(1, cdiv(length_n, L)) segments; segment s belongs to the first sequence whose
+    running count of segments passes s, found by counting, over blocks of sequences, those
+    that end at or before s."""
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    seq = tl.zeros([BLOCK_S], dtype=tl.int32)           # sequences that end at or before s
+    first = tl.zeros([BLOCK_S], dtype=tl.int32)         # their segments: s's index in its sequence is s - first
+    carry = 0
+    for n0 in range(0, n_sequences, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_sequences
+        bos = tl.load(cu_seqlens_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
+        eos = tl.load(cu_seqlens_ptr + offs_n + 1, mask=mask_n, other=0).to(tl.int32)
+        counts = tl.where(mask_n, tl.maximum((eos - bos + segment_len - 1) // segment_len, 1), 0)
+        ends = carry + tl.cumsum(counts, 0)
+        before = mask_n[None, :] & (ends[None, :] <= offs_s[:, None])   # [BLOCK_S, BLOCK_N]
+        seq += tl.sum(before.to(tl.int32), axis=1)
+        first += tl.sum(tl.where(before, counts[None, :], 0), axis=1)
+        carry += tl.sum(counts, 0)
+    used = seq < n_sequences                             # past the last sequence: an empty row
+    seq = tl.minimum(seq, n_sequences - 1)
+    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
+    eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32)
+    position = offs_s - first
+    start = bos + position * segment_len
+    tokens = tl.minimum(eos - start, segment_len)
+    last = tl.maximum((eos - bos + segment_len - 1) // segment_len, 1) - 1
+    flags = (position == 0).to(tl.int32) + 2 * (position == last).to(tl.int32)
+    mask_s = offs_s < n_segments
+    tl.store(segments_ptr + offs_s, tl.where(used, seq, 0), mask=mask_s)
+    tl.store(segments_ptr + n_segments + offs_s, tl.where(used, start, 0), mask=mask_s)
+    tl.store(segments_ptr + 2 * n_segments + offs_s, tl.where(used, tokens, 0), mask=mask_s)
+    tl.store(segments_ptr + 3 * n_segments + offs_s, tl.where(used, flags, 0), mask=mask_s)
+
+
 # Host side: configuration, launches, autograd.
 
 #: Keys a ``config`` may set. CHUNK, BLOCK_E, num_warps and num_stages shape the compiled
@@ -620,28 +661,26 @@ class _States:
         return replace(self, strides=(sb, sh, sw, se, sd))
 
 
+#: Segments per program and sequences per step of ``scan_segments_kernel``.
+_TABLE_BLOCK_S, _TABLE_BLOCK_N = 128, 64
+
+
 def _segment_table(cu_seqlens, segment_len, T):
     """The segments of packed sequences, int32 (4, NS): per segment its sequence, first token,
     token count and flags (1: first segment of its sequence, 2: its last). Each sequence is cut
     into segments of ``segment_len`` tokens from its own first token (an empty one gets one empty
-    segment, which carries S_0 to S_T), so no segment or chunk straddles a boundary. Built by
-    torch operations on the device, without reading the offsets back: NS = T // L + N bounds
-    the count, and the unused tail is empty segments (sequence 0, no tokens, no flags)."""
+    segment, which carries S_0 to S_T), so no segment or chunk straddles a boundary. One launch
+    (``scan_segments_kernel``), without reading the offsets back: NS = T // L + N bounds the
+    count, and the unused tail is empty segments (sequence 0, no tokens, no flags)."""
     n_sequences = cu_seqlens.shape[0] - 1
-    offsets = cu_seqlens.long()
-    lengths = offsets[1:] - offsets[:-1]
-    counts = torch.clamp((lengths + segment_len - 1) // segment_len, min=1)
-    ends = torch.cumsum(counts, 0)
-    index = torch.arange(T // segment_len + n_sequences, device=cu_seqlens.device)
-    seq = torch.searchsorted(ends, index, right=True)
-    used = seq < n_sequences
-    seq = torch.clamp(seq, max=n_sequences - 1)
-    position = index - (ends - counts)[seq]
-    start = offsets[seq] + position * segment_len
-    tokens = torch.clamp(offsets[seq + 1] - start, max=segment_len)
-    flags = (position == 0).long() + 2 * (position == counts[seq] - 1).long()
-    table = torch.stack([seq, start, tokens, flags]) * used
-    return table.to(torch.int32)
+    n_segments = T // segment_len + n_sequences
+    table = torch.empty(4, n_segments, dtype=torch.int32, device=cu_seqlens.device)
+    with _launch_guard():
+        scan_segments_kernel[(triton.cdiv(n_segments, _TABLE_BLOCK_S),)](
+            cu_seqlens, table, n_sequences, n_segments, segment_len,
+            BLOCK_S=_TABLE_BLOCK_S, BLOCK_N=_TABLE_BLOCK_N, num_warps=4,
+        )
+    return table
 
 
 def _segment_starts(k, v, initial, *, reverse, config, segments=None):
