@@ -283,3 +283,21 @@ def test_scan_segment_table_matches_a_torch_construction():
         offsets_dtype = (torch.int32, torch.int64)[trial % 2]
         table = scan._segment_table(offsets.to(offsets_dtype).to(ttx_tutorial.DEVICE), segment_len, T)
         assert torch.equal(table.cpu().long(), expected), f"trial {trial}: {n_sequences} sequences, L={segment_len}"
+
+
+def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):
+    """A model's layers share one batch's offsets: the API reads them back once, and again only
+    after they change in place (or for another tensor, or another total_T)."""
+    from ttx_tutorial import _validation
+
+    reads = []
+    check = _validation.check_offsets
+    monkeypatch.setattr(_validation, "check_offsets", lambda *args: reads.append(args) or check(*args))
+    q, k, v, _, cu_seqlens = _inputs_for_errors()
+    for _ in range(3):
+        ttx_tutorial.causal_product(q.detach(), k.detach(), v.detach(), "chunked", cu_seqlens=cu_seqlens)
+    assert len(reads) == 1
+    cu_seqlens[1] = 9  # in place: now past total_T
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        ttx_tutorial.causal_product(q.detach(), k.detach(), v.detach(), "chunked", cu_seqlens=cu_seqlens)
+    assert len(reads) == 2

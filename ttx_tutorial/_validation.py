@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,8 +28,9 @@ def _check_dense(name, x):
 def check_cu_seqlens(q, cu_seqlens):
     """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
     batch of one, as fla and flash-attention take them: 0 first, non-decreasing, total_T last
-    (empty sequences allowed). The values are read back to the host once, except while
-    ``torch.compile`` traces (the operator checks them when it runs, ``check_offsets``)."""
+    (empty sequences allowed). The values are read back to the host once per tensor and version
+    (``_check_offsets_once``), except while ``torch.compile`` traces (the operator checks them
+    when it runs, ``check_offsets``)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -41,7 +44,31 @@ def check_cu_seqlens(q, cu_seqlens):
         raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
                          f"(1, H, total_T, D); got B={q.shape[0]}")
     if not torch.compiler.is_compiling():
-        check_offsets(cu_seqlens, q.shape[2])
+        _check_offsets_once(cu_seqlens, q.shape[2])
+
+
+#: id -> (weak reference, version counter, total_T) of offsets tensors already checked.
+_CHECKED_OFFSETS = {}
+
+
+def _check_offsets_once(cu_seqlens, total_T):
+    """``check_offsets``, skipped for the very tensor checked before, unmodified since (its
+    version counter unchanged) and against the same total_T. A model's layers share one packed
+    batch's offsets: one read back for all of them, where a read back at every call would stall
+    the host until the GPU has caught up. Inference tensors have no version counter: always
+    checked."""
+    try:
+        stamp = (cu_seqlens._version, total_T)
+    except RuntimeError:  # an inference-mode tensor
+        check_offsets(cu_seqlens, total_T)
+        return
+    checked = _CHECKED_OFFSETS.get(id(cu_seqlens))
+    if checked is not None and checked[0]() is cu_seqlens and checked[1:] == stamp:
+        return
+    check_offsets(cu_seqlens, total_T)
+    if len(_CHECKED_OFFSETS) >= 256:  # ids of dead tensors: drop them all now and then
+        _CHECKED_OFFSETS.clear()
+    _CHECKED_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), *stamp)
 
 
 def check_offsets(cu_seqlens, total_T):

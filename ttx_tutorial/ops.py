@@ -28,14 +28,14 @@ from torch import Tensor
 def _run(q, k, v, initial_state, method, cu_seqlens=None):
     """The kernel wrapper's (o, final_state) for ``method`` ("auto" is resolved here, at run
     time: the device query behind it would break a traced graph). Packed sequences' offsets are
-    checked here, on real values, since the traced call could not read them."""
-    from ._validation import check_offsets
+    checked here (once per tensor and version), on real values: the traced call could not read them."""
+    from ._validation import _check_offsets_once
     from .api import AUTO, choose_method, method_info  # api imports this module
 
     info = method_info(choose_method(q, v, cu_seqlens) if method == AUTO else method)
     packed = {}
     if cu_seqlens is not None:
-        check_offsets(cu_seqlens, q.shape[2])
+        _check_offsets_once(cu_seqlens, q.shape[2])
         packed = {"cu_seqlens": cu_seqlens}
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
