@@ -233,12 +233,10 @@ def test_compiled_call_with_cu_seqlens():
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", TRITON_METHODS + ("auto",))
 def test_gpu_packed_batch_at_realistic_size(method):
-    """16384 tokens in sequences of 1 to 2500 tokens, 4 heads of 64, bfloat16: outputs, states
-    and every gradient against float64, each sequence alone."""
+    """About 13000 tokens in sequences of 0 to 2500 tokens, 4 heads of 64, bfloat16: outputs,
+    states and every gradient against float64, each sequence alone."""
     generator = torch.Generator().manual_seed(6)
-    lengths = [1, 0, 2500, 640, 63, 2047, *torch.randint(100, 2500, (12,), generator=generator).tolist()]
-    lengths.append(16384 - sum(lengths))
-    assert lengths[-1] >= 0
+    lengths = [1, 0, 2500, 640, 63, 2047, *torch.randint(100, 2500, (6,), generator=generator).tolist()]
     q, k, v, s0, cu_seqlens = packed_inputs(lengths, 4, 64, 64, torch.bfloat16, generator=generator)
     with poisoned_allocations():
         o, states = ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=cu_seqlens, initial_state=s0,
