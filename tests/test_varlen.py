@@ -299,3 +299,15 @@ def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):
     with pytest.raises(ValueError, match="must be non-decreasing"):
         ttx_tutorial.causal_product(q.detach(), k.detach(), v.detach(), "chunked", cu_seqlens=cu_seqlens)
     assert len(reads) == 2
+
+
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_strided_offsets(method):
+    """Offsets given as a strided view (every other element of a longer tensor)."""
+    every_other = torch.tensor([0, -1, 5, -1, 5, -1, 12], dtype=torch.int32, device=ttx_tutorial.DEVICE)
+
+    def run(q, k, v, s0, cu_seqlens):
+        assert torch.equal(every_other[::2], cu_seqlens)
+        return ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=every_other[::2], initial_state=s0,
+                                           return_state=True)
+    check_against_loop(run, (5, 0, 7), torch.float32)

@@ -1003,6 +1003,8 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
         return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
