@@ -125,9 +125,10 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
             cu_seqlens[n] to cu_seqlens[n + 1] - 1, no state crosses a boundary, and the states
             are (N, H, D, E), one per sequence. Checked with one read back to the host per
             offsets tensor (and again after an in-place change to it).
-        initial_state: optional (B, H, D, E) tensor S_0 (zeros when None); used in float32.
+        initial_state: optional (B, H, D, E) tensor S_0 (zeros when None), (N, H, D, E) with
+            cu_seqlens; used in float32.
         return_state: also return S_T, the state after the last token, as (B, H, D, E) float32
-            (float64 for float64 inputs to the references).
+            ((N, H, D, E) with cu_seqlens; float64 for float64 inputs to the references).
 
     Returns:
         o of shape (B, H, T, E) in the dtype of the inputs, or ``(o, S_T)`` with ``return_state``.
