@@ -83,17 +83,19 @@ def wrapper_calls(module):
         return step_calls(module)
     calls = []
 
-    def add(B, H, T, D, E, dtype, config=None, with_state=True):
+    def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
             k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
             v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=True)
-            s0 = torch.empty(B, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
-            o, state = module._run_validated(q, k, v, s0, config=config)
+            packed = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=offsets_dtype)
+            states = B if cu_seqlens is None else len(cu_seqlens) - 1
+            s0 = torch.empty(states, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
+            o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
-                "initial_state": with_state}
+                "initial_state": with_state, "cu_seqlens": cu_seqlens}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -105,6 +107,13 @@ def wrapper_calls(module):
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):
             add(1, 1, LONG_T, head_dim, head_dim, dtype)
+    # Packed sequences (cu_seqlens): each kernel's IS_VARLEN variant, int32 and int64 offsets, and
+    # one token in all (the most integers the launcher turns into constants).
+    for dtype in DTYPES:
+        for D, E in ((16, 16), (17, 33), (64, 64), (128, 128)):
+            add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000))
+    add(1, 4, 3000, 64, 64, torch.bfloat16, cu_seqlens=(0, 1500, 3000), offsets_dtype=torch.int64)
+    add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1))
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):
@@ -289,8 +298,10 @@ EXPECTED_INSTRUCTIONS = [
     # Pipelined loads: with more than one stage, chunked's loads become asynchronous copies.
     ("chunked", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["num_stages"] > 1,
      "asynchronous copies (cp.async)", lambda r: r["async_copies"]),
-    # Hopper's warp-group tensor-core instructions in every kernel of the scan.
-    ("scan", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["call"]["shape"][2] >= 64,
+    # Hopper's warp-group tensor-core instructions in every kernel of the scan with products
+    # (scan_segments_kernel, the segment table of packed sequences, has none).
+    ("scan", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["call"]["shape"][2] >= 64
+     and r["kernel"] != "scan_segments_kernel",
      "wgmma", lambda r: any(op.startswith("wgmma") for op in r["tensor_core_instructions"])),
     # The chunked kernels run their products on tensor cores.
     ("chunked", "sm_80", lambda r: _default_16bit_head(r["call"]),

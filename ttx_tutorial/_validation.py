@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,14 +25,74 @@ def _check_dense(name, x):
                         "convert it with .to_dense()")
 
 
+def check_cu_seqlens(q, cu_seqlens):
+    """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
+    batch of one, as fla and flash-attention take them: 0 first, non-decreasing, total_T last
+    (empty sequences allowed). The values are read back to the host once per tensor and version
+    (``_check_offsets_once``), except while ``torch.compile`` traces (the operator checks them
+    when it runs, ``check_offsets``)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 offsets for N sequences, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device ({q.device}), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
+                         f"(1, H, total_T, D); got B={q.shape[0]}")
+    if not torch.compiler.is_compiling():
+        _check_offsets_once(cu_seqlens, q.shape[2])
+
+
+#: id -> (weak reference, version counter, total_T) of offsets tensors already checked.
+_CHECKED_OFFSETS = {}
+
+
+def _check_offsets_once(cu_seqlens, total_T):
+    """``check_offsets``, skipped for the very tensor checked before, unmodified since (its
+    version counter unchanged) and against the same total_T. A model's layers share one packed
+    batch's offsets: one read back for all of them, where a read back at every call would stall
+    the host until the GPU has caught up. Inference tensors have no version counter: always
+    checked."""
+    try:
+        stamp = (cu_seqlens._version, total_T)
+    except RuntimeError:  # an inference-mode tensor
+        check_offsets(cu_seqlens, total_T)
+        return
+    checked = _CHECKED_OFFSETS.get(id(cu_seqlens))
+    if checked is not None and checked[0]() is cu_seqlens and checked[1:] == stamp:
+        return
+    check_offsets(cu_seqlens, total_T)
+    if len(_CHECKED_OFFSETS) >= 256:  # ids of dead tensors: drop them all now and then
+        _CHECKED_OFFSETS.clear()
+    _CHECKED_OFFSETS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), *stamp)
+
+
+def check_offsets(cu_seqlens, total_T):
+    """The values of cu_seqlens (see ``check_cu_seqlens``), in one read back to the host."""
+    first, last, decreasing = torch.stack(
+        [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {decreasing} offsets below the one before")
+    if last != total_T:
+        raise ValueError(f"cu_seqlens must end at total_T = {total_T} (dimension 2 of q), got {last}")
+
+
 def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expected_device,
-                 index_limit=None):
+                 index_limit=None, cu_seqlens=None):
     """Validate q, k, v and the initial state for one method.
 
     ``dtypes``: the floating dtypes the method accepts. ``max_head_dim``: the largest D and
     E it supports (None: no limit). ``expected_device``: the device type the method runs
     on ("cpu", "cuda"), or None when any device works. ``index_limit``: the largest element
     offset inside one (batch, head) slice the method can address (None: no limit).
+    ``cu_seqlens``: None, or the offsets of sequences packed along T (``check_cu_seqlens``);
+    the states are then (N, H, D, E), one per sequence.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -91,14 +153,19 @@ def check_inputs(q, k, v, initial_state, *, method, dtypes, max_head_dim, expect
                     f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
                     f"{index_limit + 1}. Split the sequence and chain the pieces with initial_state"
                 )
+    if cu_seqlens is not None:
+        check_cu_seqlens(q, cu_seqlens)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
-        expected = (*q.shape[:2], D, E)
+        if cu_seqlens is None:
+            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+        else:  # one state per packed sequence
+            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(
-                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+                f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
             )
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")

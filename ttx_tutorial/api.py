@@ -18,8 +18,9 @@ class Method:
     """One implementation: the function that runs it and what it accepts."""
 
     name: str
-    # (q, k, v, initial_state) -> (o, final_state). For the Triton methods, the kernel file's entry
-    # point for inputs this module has checked (the file's public function would check them again).
+    # (q, k, v, initial_state) -> (o, final_state), and cu_seqlens= for packed sequences. For the
+    # Triton methods, the kernel file's entry point for inputs this module has checked (the file's
+    # public function would check them again).
     function: Callable
     is_triton: bool
     summary: str
@@ -77,18 +78,24 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype) -> int:
     return chunked.default_config(D, E, dtype)["BLOCK_E"]
 
 
-def choose_method(q: torch.Tensor, v: torch.Tensor) -> str:
+def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
     (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
     sequence over segments. Under the interpreter the choice is always "chunked".
+    Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
+    the offsets: both kernels give each sequence its own programs (chunked) or segments (scan),
+    and scan also builds its segment table, a few more small launches.
     """
     if _device.INTERPRETED or q.device.type != "cuda":
         return "chunked"
     B, H, T, D = q.shape
     E = v.shape[-1]
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
+        T //= B
     programs = B * H * -(-E // _chunked_value_block(D, E, q.dtype))
     multiprocessors, _ = chunked._device_limits(q.device)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
@@ -104,6 +111,7 @@ def method_info(name: str) -> Method:
 
 
 def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = AUTO, *,
+                   cu_seqlens: torch.Tensor | None = None,
                    initial_state: torch.Tensor | None = None, return_state: bool = False,
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal linear attention: o_t = S_t^T q_t with S_t = S_{t-1} + k_t v_t^T.
@@ -112,9 +120,15 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
         q, k: (B, H, T, D) tensors; v: (B, H, T, E), all of one dtype on one device.
         method: one of :data:`METHODS`, or "auto" (the default): the fastest Triton kernel for
             these shapes, see :func:`choose_method`.
-        initial_state: optional (B, H, D, E) tensor S_0 (zeros when None); used in float32.
+        cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T, as fla and
+            flash-attention take them: q, k are then (1, H, total_T, D), sequence n is tokens
+            cu_seqlens[n] to cu_seqlens[n + 1] - 1, no state crosses a boundary, and the states
+            are (N, H, D, E), one per sequence. Checked with one read back to the host per
+            offsets tensor (and again after an in-place change to it).
+        initial_state: optional (B, H, D, E) tensor S_0 (zeros when None), (N, H, D, E) with
+            cu_seqlens; used in float32.
         return_state: also return S_T, the state after the last token, as (B, H, D, E) float32
-            (float64 for float64 inputs to the references).
+            ((N, H, D, E) with cu_seqlens; float64 for float64 inputs to the references).
 
     Returns:
         o of shape (B, H, T, E) in the dtype of the inputs, or ``(o, S_T)`` with ``return_state``.
@@ -133,24 +147,26 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
-                     index_limit=KERNEL_INDEX_LIMIT)
+                     index_limit=KERNEL_INDEX_LIMIT, cu_seqlens=cu_seqlens)
         # Under torch.compile the operator chooses at run time: the device query would break the graph.
-        info = method_info("chunked" if compiling else choose_method(q, v))
+        info = method_info("chunked" if compiling else choose_method(q, v, cu_seqlens))
     else:
         info = method_info(method)
         expected_device = _device.DEVICE.type if info.is_triton else None
         check_inputs(q, k, v, initial_state, method=method, dtypes=info.dtypes,
                      max_head_dim=info.max_head_dim, expected_device=expected_device,
-                     index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None)
+                     index_limit=KERNEL_INDEX_LIMIT if info.is_triton else None, cu_seqlens=cu_seqlens)
     if initial_state is not None and q.dtype != torch.float64:
         initial_state = initial_state.float()
     cast = ops.autocast_dtype(q)
     if cast is not None:  # as PyTorch's attention does under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
     if compiling and info.is_triton:  # one graph node, see ttx_tutorial.ops
-        o, final_state = ops.causal_product_op(q, k, v, initial_state, method)
+        o, final_state = ops.causal_product_op(q, k, v, initial_state, method, cu_seqlens)
         return (o, final_state) if return_state else o
     implementation = info.function
+    if cu_seqlens is not None:
+        implementation = functools.partial(implementation, cu_seqlens=cu_seqlens)
     # is_cuda and get_device() are plain attribute reads, where q.device builds an object per call.
     if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one

@@ -31,58 +31,69 @@ from .kernels import chunked, recurrent
 _BACKWARD_FROM_INPUTS = {"chunked": chunked._ChunkedCausalProduct, "recurrent": recurrent._RecurrentCausalProduct}
 
 
-def _run(q, k, v, initial_state, method):
+def _run(q, k, v, initial_state, method, cu_seqlens=None):
     """The kernel wrapper's (o, final_state) for ``method`` ("auto" is resolved here, at run
-    time: the device query behind it would break a traced graph)."""
+    time: the device query behind it would break a traced graph). Packed sequences' offsets are
+    checked here (once per tensor and version), on real values: the traced call could not read them."""
+    from ._validation import _check_offsets_once
     from .api import AUTO, choose_method, method_info  # api imports this module
 
-    info = method_info(choose_method(q, v) if method == AUTO else method)
+    info = method_info(choose_method(q, v, cu_seqlens) if method == AUTO else method)
+    packed = {}
+    if cu_seqlens is not None:
+        _check_offsets_once(cu_seqlens, q.shape[2])
+        packed = {"cu_seqlens": cu_seqlens}
     if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
-            return info.function(q, k, v, initial_state)
-    return info.function(q, k, v, initial_state)
+            return info.function(q, k, v, initial_state, **packed)
+    return info.function(q, k, v, initial_state, **packed)
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())
 def _causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
-                       method: str) -> tuple[Tensor, Tensor]:
+                       method: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # autograd is the operator's own (register_autograd below)
-        o, final_state = _run(q, k, v, initial_state, method)
+        o, final_state = _run(q, k, v, initial_state, method, cu_seqlens)
     if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
         final_state = final_state.clone()  # T = 0: an operator's outputs must not alias its inputs
     return o, final_state
 
 
 @_causal_product_op.register_fake
-def _(q, k, v, initial_state, method):
+def _(q, k, v, initial_state, method, cu_seqlens=None):
     B, H, T, D = q.shape
     E = v.shape[-1]
-    return q.new_empty((B, H, T, E), dtype=v.dtype), q.new_empty((B, H, D, E), dtype=torch.float32)
+    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # packed: one state per sequence
+    return q.new_empty((B, H, T, E), dtype=v.dtype), q.new_empty((n_states, H, D, E), dtype=torch.float32)
 
 
 class _SavedInputs:
     """What an autograd Function's backward reads from its ctx, for calling it outside autograd."""
 
-    def __init__(self, q, k, v, initial_state):
-        self.saved_tensors = (q, k, v, initial_state)
-        self.needs_input_grad = (True, True, True, initial_state is not None, False)
+    def __init__(self, q, k, v, initial_state, cu_seqlens):
+        self.saved_tensors = (q, k, v, initial_state, cu_seqlens)
+        self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
         self.config = None
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product_backward", mutates_args=())
 def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
                                 grad_o: Tensor, grad_final_state: Optional[Tensor],
-                                method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                method: str, cu_seqlens: Optional[Tensor] = None,
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from .api import AUTO, choose_method  # api imports this module
 
     B, H, _, D = q.shape
     E = v.shape[-1]
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     # "auto" chooses from the shapes and the device, so here as in the forward.
-    function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v) if method == AUTO else method)
+    function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v, cu_seqlens) if method == AUTO else method)
     if function is not None:
-        found = function.backward(_SavedInputs(q, k, v, initial_state), grad_o, grad_final_state)
+        found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens), grad_o, grad_final_state)
     else:
-        found = _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method)
+        found = _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method,
+                                               cu_seqlens)
     dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
     if initial_state is None:  # nothing to differentiate; the schema still returns a tensor, never read
         ds0 = q.new_empty((B, H, D, E), dtype=torch.float32)
@@ -91,13 +102,14 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
     return dq, dk, dv, ds0
 
 
-def _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method):
+def _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens):
     """(dq, dk, dv, dS_0 or None) through autograd on a second forward call (see the module docstring)."""
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         if initial_state is not None:
             inputs.append(initial_state.detach().requires_grad_())
-        o, final_state = _run(*inputs[:3], inputs[3] if initial_state is not None else None, method)
+        o, final_state = _run(*inputs[:3], inputs[3] if initial_state is not None else None, method,
+                              cu_seqlens)
         outputs, grads = [o], [grad_o]
         if grad_final_state is not None:
             outputs.append(final_state)
@@ -121,34 +133,37 @@ def _laid_out_like(grad, x):
 
 
 @_causal_product_backward_op.register_fake
-def _(q, k, v, initial_state, grad_o, grad_final_state, method):
+def _(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens=None):
     B, H, _, D = q.shape
     E = v.shape[-1]
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     ds0 = (q.new_empty((B, H, D, E), dtype=torch.float32) if initial_state is None
            else torch.empty_like(initial_state, dtype=torch.float32))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds0
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, initial_state, method = inputs
+    q, k, v, initial_state, method, cu_seqlens = inputs
     ctx.set_materialize_grads(False)  # an unused S_T's gradient stays None: no zeros to fill and read
-    ctx.save_for_backward(q, k, v, initial_state)
+    ctx.save_for_backward(q, k, v, initial_state, cu_seqlens)
     ctx.method = method
 
 
 def _backward(ctx, grad_o, grad_final_state):
-    q, k, v, initial_state = ctx.saved_tensors
+    q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
     if grad_o is None:  # only the final state was used
         grad_o = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
     dq, dk, dv, ds0 = _causal_product_backward_op(q, k, v, initial_state, grad_o, grad_final_state,
-                                                  ctx.method)
-    return dq, dk, dv, (ds0 if initial_state is not None else None), None
+                                                  ctx.method, cu_seqlens)
+    return dq, dk, dv, (ds0 if initial_state is not None else None), None, None
 
 
 _causal_product_op.register_autograd(_backward, setup_context=_setup_context)
 
 #: The registered operator, ``torch.ops.ttx_tutorial.causal_product.default``:
-#: (q, k, v, initial_state or None, method) -> (o, final_state), for a Triton method or "auto".
+#: (q, k, v, initial_state or None, method, cu_seqlens or None) -> (o, final_state), for a Triton
+#: method or "auto"; with cu_seqlens the states are one per packed sequence, (N, H, D, E).
 causal_product_op = torch.ops.ttx_tutorial.causal_product.default
 
 

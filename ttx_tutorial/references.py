@@ -6,6 +6,8 @@ Algorithm 1 of "Transformers are RNNs" (Katharopoulos et al., 2020):
     o_t = S_t^T q_t
 
 Shapes: q, k: (B, H, T, D); v: (B, H, T, E); initial state and final state: (B, H, D, E).
+With ``cu_seqlens`` (the (N + 1,) offsets of N sequences packed along T of a batch of one), each
+reference runs once per sequence, from that sequence's row of the (N, H, D, E) initial state.
 
 Each reference returns ``(o, S_T)``. They accumulate in float32 (float64 for float64
 inputs) and return ``o`` in the input dtype and the state in float32 (float64 for
@@ -41,8 +43,23 @@ def _start_state(q, v, initial_state, acc):
     return initial_state.to(acc, copy=True)
 
 
-def loop(q, k, v, initial_state=None):
+def _per_sequence(reference, q, k, v, initial_state, cu_seqlens):
+    """``reference`` on each packed sequence [cu_seqlens[n], cu_seqlens[n + 1]) alone:
+    o concatenated along T, the final states stacked as (N, H, D, E)."""
+    offsets = cu_seqlens.tolist()
+    outputs, states = [], []
+    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        o, state = reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                             None if initial_state is None else initial_state[n:n + 1])
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, dim=2), torch.cat(states, dim=0)
+
+
+def loop(q, k, v, initial_state=None, cu_seqlens=None):
     """The recurrence literally: one token per Python step. O(T) steps, O(D*E) state."""
+    if cu_seqlens is not None:
+        return _per_sequence(loop, q, k, v, initial_state, cu_seqlens)
     acc = accumulation_dtype(q.dtype)
     state = _start_state(q, v, initial_state, acc)
     outputs = []
@@ -57,8 +74,10 @@ def loop(q, k, v, initial_state=None):
     return o.to(q.dtype), state
 
 
-def cumsum(q, k, v, initial_state=None):
+def cumsum(q, k, v, initial_state=None, cu_seqlens=None):
     """Materialise every state S_t with a prefix sum: O(T*D*E) memory."""
+    if cu_seqlens is not None:
+        return _per_sequence(cumsum, q, k, v, initial_state, cu_seqlens)
     acc = accumulation_dtype(q.dtype)
     state0 = _start_state(q, v, initial_state, acc)
     outer = k.to(acc)[..., :, None] * v.to(acc)[..., None, :]          # (B, H, T, D, E)
@@ -121,8 +140,10 @@ class _MaskedProduct(torch.autograd.Function):
         return grad @ right.transpose(-1, -2), _seen_product(scores.transpose(-1, -2), grad, reverse=True)
 
 
-def quadratic(q, k, v, initial_state=None):
+def quadratic(q, k, v, initial_state=None, cu_seqlens=None):
     """The masked form ((Q K^T) * M) V + Q S_0: O(T^2) time and memory, like softmax attention."""
+    if cu_seqlens is not None:
+        return _per_sequence(quadratic, q, k, v, initial_state, cu_seqlens)
     acc = accumulation_dtype(q.dtype)
     state0 = _start_state(q, v, initial_state, acc)
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)

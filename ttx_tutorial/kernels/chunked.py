@@ -20,7 +20,10 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
 ``tl.dot`` on a GPU). Offsets inside one (batch, head) slice are int32: its last
-element must sit at an offset below 2**31.
+element must sit at an offset below 2**31. Packed (``IS_VARLEN``, ``cu_seqlens`` of N + 1
+offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks sequence b,
+tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and the states are
+(N, H, D, E); the Kahan carry then follows the total length.
 Precision: products accumulate in float32. float32 inputs follow
 ``torch.get_float32_matmul_precision()``, read at each call: "highest" (PyTorch's default)
 multiplies with 3xTF32 (``input_precision="tf32x3"``: each operand split into a TF32 part and
@@ -86,6 +89,7 @@ def chunked_kernel(
     o_ptr,                          # output (B, H, T, E), dtype of v
     initial_state_ptr,              # (B, H, D, E) float32, read when has_initial_state
     final_state_ptr,                # (B, H, D, E) float32, written
+    cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
     reverse,                        # 1: walk the chunks backwards, so o_t sees tokens s >= t
     has_initial_state,              # 0: start from zeros (initial_state_ptr is then never read)
@@ -101,6 +105,7 @@ def chunked_kernel(
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     COMPENSATED: tl.constexpr,      # long sequences: the state summed with a carry
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    IS_VARLEN: tl.constexpr,        # q, k, v, o hold B sequences packed in one row (see the header)
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
@@ -119,10 +124,18 @@ def chunked_kernel(
     pid_e = pid % num_e_blocks
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    q_ptr += b * stride_qb + h * stride_qh
-    k_ptr += b * stride_kb + h * stride_kh
-    v_ptr += b * stride_vb + h * stride_vh
-    o_ptr += b * stride_ob + h * stride_oh
+    if IS_VARLEN:  # sequence b is tokens [bos, eos) of the one packed row; its chunks start at bos
+        bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
+        q_ptr += bos * stride_qt + h * stride_qh
+        k_ptr += bos * stride_kt + h * stride_kh
+        v_ptr += bos * stride_vt + h * stride_vh
+        o_ptr += bos * stride_ot + h * stride_oh
+    else:
+        q_ptr += b * stride_qb + h * stride_qh
+        k_ptr += b * stride_kb + h * stride_kh
+        v_ptr += b * stride_vb + h * stride_vh
+        o_ptr += b * stride_ob + h * stride_oh
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -187,6 +200,7 @@ def chunked_backward_kernel(
     initial_state_ptr,              # S_0 (B, H, D, E) float32, read when has_initial_state
     g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32, read when has_final_grad
     ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
+    cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
     compute_dq,                     # 0: skip the forward walk (q needs no gradient; dq_ptr unused)
     has_initial_state,              # 0: S_0 = 0 (initial_state_ptr is never read)
@@ -205,6 +219,7 @@ def chunked_backward_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     COMPENSATED: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
     # Two walks over the chunks.
@@ -224,13 +239,24 @@ def chunked_backward_kernel(
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    q_ptr += b * stride_qb + h * stride_qh
-    k_ptr += b * stride_kb + h * stride_kh
-    v_ptr += b * stride_vb + h * stride_vh
-    do_ptr += b * stride_dob + h * stride_doh
-    dq_ptr += b * stride_dqb + h * stride_dqh
-    dk_ptr += b * stride_dkb + h * stride_dkh
-    dv_ptr += b * stride_dvb + h * stride_dvh
+    if IS_VARLEN:  # as in chunked_kernel: both walks stay inside tokens [bos, eos)
+        bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
+        q_ptr += bos * stride_qt + h * stride_qh
+        k_ptr += bos * stride_kt + h * stride_kh
+        v_ptr += bos * stride_vt + h * stride_vh
+        do_ptr += bos * stride_dot + h * stride_doh
+        dq_ptr += bos * stride_dqt + h * stride_dqh
+        dk_ptr += bos * stride_dkt + h * stride_dkh
+        dv_ptr += bos * stride_dvt + h * stride_dvh
+    else:
+        q_ptr += b * stride_qb + h * stride_qh
+        k_ptr += b * stride_kb + h * stride_kh
+        v_ptr += b * stride_vb + h * stride_vh
+        do_ptr += b * stride_dob + h * stride_doh
+        dq_ptr += b * stride_dqb + h * stride_dqh
+        dk_ptr += b * stride_dkb + h * stride_dkh
+        dv_ptr += b * stride_dvb + h * stride_dvh
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
@@ -477,17 +503,22 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
                   "FLOAT32_PRECISION": precision, "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
 
 
-def _launch(q, k, v, initial_state, *, reverse, config):
-    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated."""
+def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None):
+    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated.
+    With ``cu_seqlens``, q, k, v hold its sequences packed in one row, and the states are per
+    sequence: (N, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
+    o_shape = (B, H, T, E)
+    if cu_seqlens is not None:  # one program row and one state per packed sequence
+        B = cu_seqlens.shape[0] - 1
     # 16-bit inputs meet float32 operands only as float16's state and scores, exact in TF32.
     precision = float32_precision() if q.dtype == torch.float32 else "tf32"
     # config was checked by check_config in _run_validated; as sorted items it keys the cache.
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
                                          triton.knobs.runtime.interpret, precision,
                                          () if config is None else tuple(sorted(config.items())))
-    o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
+    o = torch.empty(o_shape, dtype=v.dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
     final_state = torch.empty((B, H, D, E), dtype=torch.float32, device=v.device)
@@ -496,10 +527,10 @@ def _launch(q, k, v, initial_state, *, reverse, config):
     initial_state = initial_state if has_initial_state else final_state
     with _launch_guard():
         chunked_kernel[grid](
-            q, k, v, o, initial_state, final_state,
+            q, k, v, o, initial_state, final_state, final_state if cu_seqlens is None else cu_seqlens,
             T, H, D, E, int(reverse), int(has_initial_state),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
-            **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, **launch_keywords,
         )
     return o, final_state
 
@@ -544,12 +575,16 @@ def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides):
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
 
 
-def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq):
+def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
+                     cu_seqlens=None):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
-    initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros.
+    initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros
+    (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence).
     launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
@@ -560,11 +595,12 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     g_arg = ds0 if grad_final_state is None else grad_final_state
     with _launch_guard():
         chunked_backward_kernel[(B * H,)](
-            q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, T, H, D, E,
+            q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, ds0 if cu_seqlens is None else cu_seqlens,
+            T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
             *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-            **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, **launch_keywords,
         )
     return dq, dk, dv, ds0
 
@@ -573,18 +609,18 @@ class _ChunkedCausalProduct(torch.autograd.Function):
     """Forward: one pass. Backward: one fused launch, or up to three passes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to fill
-        o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config)
-        ctx.save_for_backward(q, k, v, initial_state)
+        o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens)
+        ctx.save_for_backward(q, k, v, initial_state, cu_seqlens)
         ctx.config = config
         return o, final_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, initial_state = ctx.saved_tensors
-        needs_q, needs_k, needs_v, needs_initial_state, _ = ctx.needs_input_grad
+        q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
+        needs_q, needs_k, needs_v, needs_initial_state, _, _ = ctx.needs_input_grad
         grad_q = grad_k = grad_v = grad_initial_state = None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros_like(v)
@@ -593,20 +629,21 @@ class _ChunkedCausalProduct(torch.autograd.Function):
                                () if ctx.config is None else tuple(sorted(ctx.config.items())))
         if fused is not None and (needs_k or needs_v or needs_initial_state):
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
-                q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q)
+                q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q,
+                cu_seqlens=cu_seqlens)
             return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
-                    grad_initial_state if needs_initial_state else None, None)
+                    grad_initial_state if needs_initial_state else None, None, None)
         if needs_q:  # dq_t = sum_{s<=t} (dO_t . v_s) k_s + S_0 dO_t
             initial_t = None if initial_state is None else initial_state.transpose(-1, -2)
-            grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config)
+            grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config, cu_seqlens=cu_seqlens)
         if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
             g_t = None if grad_final_state is None else grad_final_state.transpose(-1, -2)
-            grad_k, _ = _launch(v, grad_o, q, g_t, reverse=True, config=ctx.config)
+            grad_k, _ = _launch(v, grad_o, q, g_t, reverse=True, config=ctx.config, cu_seqlens=cu_seqlens)
         if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
             grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
-                                                 config=ctx.config)
+                                                 config=ctx.config, cu_seqlens=cu_seqlens)
         return (grad_q, grad_k, grad_v if needs_v else None,
-                grad_initial_state if needs_initial_state else None, None)
+                grad_initial_state if needs_initial_state else None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -628,12 +665,39 @@ def _check_dense(name, x):
                         "convert it with .to_dense()")
 
 
-def check_inputs(q, k, v, initial_state, method='chunked'):
+def check_cu_seqlens(q, cu_seqlens):
+    """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
+    batch of one: 0 first, non-decreasing, total_T last (empty sequences allowed), read back to
+    the host once."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 offsets for N sequences, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device ({q.device}), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
+                         f"(1, H, total_T, D); got B={q.shape[0]}")
+    first, last, decreasing = torch.stack(
+        [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {decreasing} offsets below the one before")
+    if last != q.shape[2]:
+        raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
+
+
+def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device."""
+    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
+    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -687,14 +751,19 @@ def check_inputs(q, k, v, initial_state, method='chunked'):
                 f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
                 f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
             )
+    if cu_seqlens is not None:
+        check_cu_seqlens(q, cu_seqlens)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
-        expected = (*q.shape[:2], D, E)
+        if cu_seqlens is None:
+            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+        else:  # one state per packed sequence
+            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(
-                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+                f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
             )
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
@@ -728,26 +797,30 @@ def _resolved(q, k, v, initial_state):
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
-def chunked_causal_product(q, k, v, initial_state=None, *, config=None):
+def chunked_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
-    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
-    check_inputs(q, k, v, initial_state)
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
+    cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of
+    one (q, k: (1, H, total_T, D)); no state crosses a boundary, and the states are (N, H, D, E)."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens)
     if initial_state is not None:  # the API converts it once, before calling _run_validated
         initial_state = initial_state.float()
-    return _run_validated(q, k, v, initial_state, config)
+    return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     """``chunked_causal_product`` for inputs already through ``check_inputs`` (the package's API
     makes the same checks, once)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ChunkedCausalProduct.apply(q, k, v, initial_state, config)
+        return _ChunkedCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, reverse=False, config=config)
+    return _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens)

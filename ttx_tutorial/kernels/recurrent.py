@@ -20,7 +20,9 @@ flags are runtime integers, so one compiled kernel per tile configuration serves
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
 slice are int32: its last element must sit at an offset below 2**31. Inputs float32, float16 or bfloat16;
-products and the state in float32; o in the input dtype.
+products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, ``cu_seqlens``
+of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
+sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6.
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
@@ -62,6 +64,7 @@ def recurrent_tokens_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E), (B, H, T, E)
     initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
     final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
@@ -75,6 +78,7 @@ def recurrent_tokens_kernel(
     COLS: tl.constexpr,  # value columns per thread (divides BLOCK_E)
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
+    IS_VARLEN: tl.constexpr,  # q, k, v, o hold B sequences packed along T of one batch row
 ):
     """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
@@ -85,6 +89,16 @@ def recurrent_tokens_kernel(
     b = (pid_bh // H).to(tl.int64)  # 64-bit: b * stride_qb can exceed 2**31 on large batches
     h = (pid_bh % H).to(tl.int64)
     GROUPS: tl.constexpr = BLOCK_E // COLS
+    # Packed: b numbers the sequence (its states are row b), which is tokens [bos, eos) of row 0.
+    input_b = b
+    if IS_VARLEN:
+        input_b = 0
+        bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
+        q_ptr += bos * stride_qt
+        k_ptr += bos * stride_kt
+        v_ptr += bos * stride_vt
+        o_ptr += bos * stride_ot
 
     # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)
@@ -108,10 +122,10 @@ def recurrent_tokens_kernel(
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
-    q_col_ptr = q_ptr + b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
-    k_col_ptr = k_ptr + b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
-    v_row_ptr = v_ptr + b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
-    o_row_ptr = o_ptr + b * stride_ob + h * stride_oh + first * stride_ot + offs_e[None, :, :] * stride_oe
+    q_col_ptr = q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
+    k_col_ptr = k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
+    v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
+    o_row_ptr = o_ptr + input_b * stride_ob + h * stride_oh + first * stride_ot + offs_e[None, :, :] * stride_oe
     mask_col = d_tile < D
     step_q = direction * stride_qt
     step_k = direction * stride_kt
@@ -151,6 +165,7 @@ def recurrent_blocks_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
     initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
     final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
@@ -164,6 +179,7 @@ def recurrent_blocks_kernel(
     BLOCK_E: tl.constexpr,  # value columns per program
     BLOCK_T: tl.constexpr,  # steps of the walk handled at once
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the block loop
+    IS_VARLEN: tl.constexpr,  # as in recurrent_tokens_kernel
 ):
     """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
     # One flat grid: value block fastest, then key block, then (batch, head).
@@ -174,6 +190,15 @@ def recurrent_blocks_kernel(
     pid_bh = tl.program_id(0) // (num_e_blocks * num_d_blocks)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    input_b = b  # packed sequences: as in recurrent_tokens_kernel
+    if IS_VARLEN:
+        input_b = 0
+        bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
+        q_ptr += bos * stride_qt
+        k_ptr += bos * stride_kt
+        v_ptr += bos * stride_vt
+        o_ptr += bos * stride_ot
 
     offs_i = tl.arange(0, BLOCK_T)  # step i0 + i of the walk is row i of a block
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -196,10 +221,10 @@ def recurrent_blocks_kernel(
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     rows = (direction * offs_i)[:, None]
-    q_block_ptr = (q_ptr + b * stride_qb + h * stride_qh + first * stride_qt) + rows * stride_qt + offs_d[None, :] * stride_qd
-    k_block_ptr = (k_ptr + b * stride_kb + h * stride_kh + first * stride_kt) + rows * stride_kt + offs_d[None, :] * stride_kd
-    v_block_ptr = (v_ptr + b * stride_vb + h * stride_vh + first * stride_vt) + rows * stride_vt + offs_e[None, :] * stride_ve
-    o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + b * stride_ob + h * stride_oh + first * stride_ot)
+    q_block_ptr = (q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt) + rows * stride_qt + offs_d[None, :] * stride_qd
+    k_block_ptr = (k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt) + rows * stride_kt + offs_d[None, :] * stride_kd
+    v_block_ptr = (v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt) + rows * stride_vt + offs_e[None, :] * stride_ve
+    o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + input_b * stride_ob + h * stride_oh + first * stride_ot)
                    + rows * stride_ot + offs_e[None, :] * stride_oe)
     for i0 in tl.range(0, T, BLOCK_T, num_stages=NUM_STAGES):
         mask_i = i0 + offs_i < T  # rows past the end load zeros: they add nothing to the state
@@ -370,10 +395,12 @@ def _tokens_config(D: int, dtype: torch.dtype) -> dict:
 _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 
-def _resolve_config(q, v, config):
-    """The rule for these inputs with the caller's (checked) keys applied."""
+def _resolve_config(q, v, config, cu_seqlens=None):
+    """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences)."""
     B, H, _, D = q.shape
     E = v.shape[-1]
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     # The interpreter rule is for speed under TRITON_INTERPRET=1; ask Triton, not the device, so
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
@@ -409,12 +436,15 @@ def _no_state(device):
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
-    """One walk over the sequence. Returns (o, final_state or None)."""
+def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None):
+    """One walk over the sequence. Returns (o, final_state or None). With ``cu_seqlens``, one
+    walk per packed sequence, and the states are (N, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    cfg = _resolve_config(q, v, config)
+    cfg = _resolve_config(q, v, config, cu_seqlens)
     o = torch.empty((B, H, T, E), dtype=q.dtype, device=q.device)
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     final_state = (torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
                    if store_final_state else None)
     if B * H == 0:
@@ -425,27 +455,29 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
     arguments = (int(reverse), int(initial_state is not None), int(store_final_state),
                  *q.stride(), *k.stride(), *v.stride())
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    seqlens_arg = unused if cu_seqlens is None else cu_seqlens
     if cfg["WALK"] == "tokens":
         grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
         with _launch_guard():
             recurrent_tokens_kernel[grid](
-                q, k, v, o, s0, final_state if store_final_state else unused, T, H, D, E,
+                q, k, v, o, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
                 *arguments, *o.stride(), *s0_strides,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
-                NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
     key_blocks = -(-D // cfg["BLOCK_D"])
     # Several key blocks each write their part of o's sum over D, in float32; they add up below.
-    parts = (torch.empty((key_blocks, B, H, T, E), dtype=torch.float32, device=q.device)
+    parts = (torch.empty((key_blocks, *o.shape), dtype=torch.float32, device=q.device)
              if key_blocks > 1 else o[None])
     grid = (-(-E // cfg["BLOCK_E"]) * key_blocks * B * H,)
     with _launch_guard():
         recurrent_blocks_kernel[grid](
-            q, k, v, parts, s0, final_state if store_final_state else unused, T, H, D, E,
+            q, k, v, parts, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
             *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
             BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
-            NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
@@ -458,32 +490,35 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config):
 
 class _RecurrentCausalProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
         o, final_state = _launch(q, k, v, initial_state, reverse=False, store_final_state=True,
-                                 config=config)
-        ctx.save_for_backward(q, k, v, initial_state)
+                                 config=config, cu_seqlens=cu_seqlens)
+        ctx.save_for_backward(q, k, v, initial_state, cu_seqlens)
         ctx.config = config
         return o, final_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, initial_state = ctx.saved_tensors
+        q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        need_q, need_k, need_v, need_s0, _ = ctx.needs_input_grad
+        need_q, need_k, need_v, need_s0, _, _ = ctx.needs_input_grad
         # S_0^T and G^T are views (.mT): the kernel reads the state row by row, in any order.
         s0_t = initial_state.mT if initial_state is not None else None
         g = grad_final_state
         g_t = g.mT if g is not None else None
         dq = dk = dv = ds0 = None
         if need_q:  # dq_t = S_t dO_t
-            dq, _ = _launch(grad_o, v, k, s0_t, reverse=False, store_final_state=False, config=ctx.config)
+            dq, _ = _launch(grad_o, v, k, s0_t, reverse=False, store_final_state=False, config=ctx.config,
+                            cu_seqlens=cu_seqlens)
         if need_k:  # dk_t = P_t v_t
-            dk, _ = _launch(v, grad_o, q, g_t, reverse=True, store_final_state=False, config=ctx.config)
+            dk, _ = _launch(v, grad_o, q, g_t, reverse=True, store_final_state=False, config=ctx.config,
+                            cu_seqlens=cu_seqlens)
         if need_v or need_s0:  # dv_t = P_t^T k_t, and P_1 = dS_0
-            dv, ds0 = _launch(k, q, grad_o, g, reverse=True, store_final_state=need_s0, config=ctx.config)
-        return dq, dk, (dv if need_v else None), ds0, None
+            dv, ds0 = _launch(k, q, grad_o, g, reverse=True, store_final_state=need_s0, config=ctx.config,
+                              cu_seqlens=cu_seqlens)
+        return dq, dk, (dv if need_v else None), ds0, None, None
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -505,12 +540,39 @@ def _check_dense(name, x):
                         "convert it with .to_dense()")
 
 
-def check_inputs(q, k, v, initial_state, method='recurrent'):
+def check_cu_seqlens(q, cu_seqlens):
+    """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
+    batch of one: 0 first, non-decreasing, total_T last (empty sequences allowed), read back to
+    the host once."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 offsets for N sequences, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device ({q.device}), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
+                         f"(1, H, total_T, D); got B={q.shape[0]}")
+    first, last, decreasing = torch.stack(
+        [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {decreasing} offsets below the one before")
+    if last != q.shape[2]:
+        raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
+
+
+def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device."""
+    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
+    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -564,14 +626,19 @@ def check_inputs(q, k, v, initial_state, method='recurrent'):
                 f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
                 f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
             )
+    if cu_seqlens is not None:
+        check_cu_seqlens(q, cu_seqlens)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
-        expected = (*q.shape[:2], D, E)
+        if cu_seqlens is None:
+            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+        else:  # one state per packed sequence
+            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(
-                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+                f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
             )
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
@@ -605,26 +672,31 @@ def _resolved(q, k, v, initial_state):
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
-def recurrent_causal_product(q, k, v, initial_state=None, *, config=None):
+def recurrent_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
-    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
-    check_inputs(q, k, v, initial_state)
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
+    cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of
+    one (q, k: (1, H, total_T, D)); no state crosses a boundary, and the states are (N, H, D, E)."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens)
     if initial_state is not None:  # the API converts it once, before calling _run_validated
         initial_state = initial_state.float()
-    return _run_validated(q, k, v, initial_state, config)
+    return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     """``recurrent_causal_product`` for inputs already through ``check_inputs`` (the package's API
     makes the same checks, once)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _RecurrentCausalProduct.apply(q, k, v, initial_state, config)
+        return _RecurrentCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config)
+    return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config,
+                   cu_seqlens=cu_seqlens)

@@ -25,7 +25,10 @@ wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
-keeps its start states, B*H*NS*D*E float32, for the backward.
+keeps its start states, B*H*NS*D*E float32, for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
+of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
+from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
+and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
 about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
@@ -84,8 +87,9 @@ def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
     initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
-    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
+    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L) (packed: the table's)
     reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -95,6 +99,7 @@ def scan_summaries_kernel(
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    IS_VARLEN: tl.constexpr,        # k, v hold the table's sequences packed along T of one row
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
     program of a (batch*head, value block) to finish then runs pass 2."""
@@ -110,8 +115,12 @@ def scan_summaries_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
 
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -145,15 +154,17 @@ def scan_summaries_kernel(
     arrived = tl.atomic_add(arrivals_ptr + bh * e_blocks + e_block, 1, sem="acq_rel")
     if arrived == n_segments - 2:
         initial_state_ptr += b64 * stride_s0b + h64 * stride_s0h
-        _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
-                           e_block, BLOCK_D, BLOCK_E)
+        _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
+                           D, E, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN)
 
 
 @triton.jit
-def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D, E, n_segments,
-                       e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
+                       D, E, n_segments, reverse, e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
-    slot 0. states_ptr: this head's (NS, D, E) buffer.
+    slot 0. states_ptr: this head's (NS, D, E) buffer. Packed (IS_VARLEN), the scan restarts at
+    the first walked segment of each sequence, from that sequence's S_0 (row ``seq`` of S_0).
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
@@ -164,14 +175,23 @@ def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D,
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
         offs_state = offs_d[:, None] * E + offs_e[None, :]
-        b_carry = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
-                          mask=mask, other=0.0)
+        offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
+        first_seq = 0
+        if IS_VARLEN:
+            first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
+        b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
         slot_ptr = states_ptr  # a scalar that steps D * E a slot: fewer registers than a tile of pointers
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
-        for _ in range(1, n_segments):
+        for walk in range(1, n_segments):
             slot_ptr += D * E
             # .cg reads from L2: other multiprocessors wrote these sums.
             b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
+                segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
+                seq = tl.load(segments_ptr + segment)
+                starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
+                b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+                b_carry = tl.where(starts_sequence, b_s0, b_carry)
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
 
@@ -179,7 +199,8 @@ def _scan_start_states(states_ptr, initial_state_ptr, stride_s0d, stride_s0e, D,
 def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
-    final_state_ptr,                # float32 (B*H, D, E), contiguous
+    final_state_ptr,                # float32 (B*H, D, E), contiguous (packed: one per sequence and head)
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     reverse,                        # 1: walk from last to first, so that o_t sees tokens j >= t
@@ -193,6 +214,7 @@ def scan_outputs_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    IS_VARLEN: tl.constexpr,
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -211,8 +233,17 @@ def scan_outputs_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:  # the table's segment: its sequence, first token, length; it ends S_T if last walked
+        seq = tl.load(segments_ptr + segment)
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+        ends_walk = (tl.load(segments_ptr + 3 * n_segments + segment) & (2 - reverse)) != 0
+        final_row = seq * H + h
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
+        ends_walk = walk == n_segments - 1
+        final_row = bh
     n_chunks = (tokens + CHUNK - 1) // CHUNK
 
     offs_c = tl.arange(0, CHUNK)
@@ -256,8 +287,8 @@ def scan_outputs_kernel(
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
 
-    if walk == n_segments - 1:  # the last walked segment ends on S_T
-        final_state_ptr += bh.to(tl.int64) * D * E
+    if ends_walk:  # the last walked segment (of its sequence) ends on S_T
+        final_state_ptr += final_row.to(tl.int64) * D * E
         tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
 
 
@@ -268,6 +299,7 @@ def scan_backward_kernel(
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
     ds0_ptr,                        # float32 (B*H, D, E), contiguous: dS_0, written by segment 0
+    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     compute_dq,                     # 0: q needs no gradient; skip the forward walk (dq_ptr unused)
@@ -284,6 +316,7 @@ def scan_backward_kernel(
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
@@ -292,7 +325,7 @@ def scan_backward_kernel(
     segments of Q^T dO (D x E), with U the upper triangle,
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
-    and the program of the first segment stores the final R, dS_0."""
+    and the program of the first segment (of its sequence, when packed) stores the final R, dS_0."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
@@ -303,8 +336,17 @@ def scan_backward_kernel(
     bh = pid // n_segments
     b = bh // H
     h = bh % H
-    segment_start = segment * segment_len
-    tokens = tl.minimum(segment_len, T - segment_start)
+    if IS_VARLEN:  # as in scan_outputs_kernel
+        seq = tl.load(segments_ptr + segment)
+        segment_start = tl.load(segments_ptr + n_segments + segment)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+        starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & 1) != 0
+        ds0_row = seq * H + h
+    else:
+        segment_start = segment * segment_len
+        tokens = tl.minimum(segment_len, T - segment_start)
+        starts_sequence = segment == 0
+        ds0_row = bh
     n_chunks = (tokens + CHUNK - 1) // CHUNK
 
     offs_c = tl.arange(0, CHUNK)
@@ -379,9 +421,52 @@ def scan_backward_kernel(
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
                  _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
-    if segment == 0:  # the reverse walk ends on dS_0
-        ds0_ptr += bh.to(tl.int64) * D * E
+    if starts_sequence:  # the reverse walk ends on dS_0
+        ds0_ptr += ds0_row.to(tl.int64) * D * E
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def scan_segments_kernel(
+    cu_seqlens_ptr,                 # (N + 1,) int32 or int64 offsets of the packed sequences
+    segments_ptr,                   # int32 (4, NS), written: the segment table (see _segment_table)
+    n_sequences, n_segments, segment_len,
+    BLOCK_S: tl.constexpr,          # segments per program
+    BLOCK_N: tl.constexpr,          # sequences read per step
+):
+    """The segment table of packed sequences, BLOCK_S segments a program. Sequence n owns
+    c_n = max(1, cdiv(length_n, L)) segments; segment s belongs to the first sequence whose
+    running count of segments passes s, found by counting, over blocks of sequences, those
+    that end at or before s."""
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    seq = tl.zeros([BLOCK_S], dtype=tl.int32)           # sequences that end at or before s
+    first = tl.zeros([BLOCK_S], dtype=tl.int32)         # their segments: s's index in its sequence is s - first
+    carry = 0
+    for n0 in range(0, n_sequences, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_sequences
+        bos = tl.load(cu_seqlens_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
+        eos = tl.load(cu_seqlens_ptr + offs_n + 1, mask=mask_n, other=0).to(tl.int32)
+        counts = tl.where(mask_n, tl.maximum((eos - bos + segment_len - 1) // segment_len, 1), 0)
+        ends = carry + tl.cumsum(counts, 0)
+        before = mask_n[None, :] & (ends[None, :] <= offs_s[:, None])   # [BLOCK_S, BLOCK_N]
+        seq += tl.sum(before.to(tl.int32), axis=1)
+        first += tl.sum(tl.where(before, counts[None, :], 0), axis=1)
+        carry += tl.sum(counts, 0)
+    used = seq < n_sequences                             # past the last sequence: an empty row
+    seq = tl.minimum(seq, n_sequences - 1)
+    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
+    eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32)
+    position = offs_s - first
+    start = bos + position * segment_len
+    tokens = tl.minimum(eos - start, segment_len)
+    last = tl.maximum((eos - bos + segment_len - 1) // segment_len, 1) - 1
+    flags = (position == 0).to(tl.int32) + 2 * (position == last).to(tl.int32)
+    mask_s = offs_s < n_segments
+    tl.store(segments_ptr + offs_s, tl.where(used, seq, 0), mask=mask_s)
+    tl.store(segments_ptr + n_segments + offs_s, tl.where(used, start, 0), mask=mask_s)
+    tl.store(segments_ptr + 2 * n_segments + offs_s, tl.where(used, tokens, 0), mask=mask_s)
+    tl.store(segments_ptr + 3 * n_segments + offs_s, tl.where(used, flags, 0), mask=mask_s)
 
 
 # Host side: configuration, launches, autograd.
@@ -609,11 +694,35 @@ class _States:
         return replace(self, strides=(sb, sh, sw, se, sd))
 
 
-def _segment_starts(k, v, initial, *, reverse, config):
-    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order."""
+#: Segments per program and sequences per step of ``scan_segments_kernel``.
+_TABLE_BLOCK_S, _TABLE_BLOCK_N = 128, 64
+
+
+def _segment_table(cu_seqlens, segment_len, T):
+    """The segments of packed sequences, int32 (4, NS): per segment its sequence, first token,
+    token count and flags (1: first segment of its sequence, 2: its last). Each sequence is cut
+    into segments of ``segment_len`` tokens from its own first token (an empty one gets one empty
+    segment, which carries S_0 to S_T), so no segment or chunk straddles a boundary. One launch
+    (``scan_segments_kernel``), without reading the offsets back: NS = T // L + N bounds the
+    count, and the unused tail is empty segments (sequence 0, no tokens, no flags)."""
+    n_sequences = cu_seqlens.shape[0] - 1
+    n_segments = T // segment_len + n_sequences
+    table = torch.empty(4, n_segments, dtype=torch.int32, device=cu_seqlens.device)
+    with _launch_guard():
+        scan_segments_kernel[(triton.cdiv(n_segments, _TABLE_BLOCK_S),)](
+            cu_seqlens, table, n_sequences, n_segments, segment_len,
+            BLOCK_S=_TABLE_BLOCK_S, BLOCK_N=_TABLE_BLOCK_N, num_warps=4,
+        )
+    return table
+
+
+def _segment_starts(k, v, initial, *, reverse, config, segments=None):
+    """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
+    ``segments``: the table of packed sequences (``_segment_table``), or None."""
     B, H, T, D = k.shape
     E = v.shape[-1]
-    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
+    # rounded up, as triton.cdiv but without its host cost
+    n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     if n_segments <= 1:
         return initial
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
@@ -623,71 +732,82 @@ def _segment_starts(k, v, initial, *, reverse, config):
     sb, sh, _, sd, se = initial.strides
     with _launch_guard():
         scan_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
-            k, v, states, initial.tensor, arrivals, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            k, v, states, initial.tensor, arrivals, arrivals if segments is None else segments,
+            T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
-            FLOAT32_PRECISION=config["FLOAT32_PRECISION"],
+            FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
 
 
-def _segment_outputs(q, k, v, starts, *, reverse, config):
-    """Pass 3: o and the final state, every segment from its start state."""
+def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None):
+    """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
+    one final state per sequence: (n_sequences, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
+    # rounded up, as triton.cdiv but without its host cost
+    n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
-    final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    final_state = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device,
+                              dtype=torch.float32)
     with _launch_guard():
         scan_outputs_kernel[(B * H * n_segments * -(-E // block_e),)](
-            q, k, v, o, starts.tensor, final_state, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            q, k, v, o, starts.tensor, final_state, final_state if segments is None else segments,
+            T, H, D, E, config["SEGMENT_LEN"], n_segments,
             int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
-            FLOAT32_PRECISION=config["FLOAT32_PRECISION"],
+            FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state
 
 
-def _launch(q, k, v, initial_state, config):
+def _launch(q, k, v, initial_state, config, cu_seqlens=None):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
-    length)."""
+    length, segment table or None). Packed (``cu_seqlens``): segments cut per sequence
+    (``_segment_table``), one state per sequence."""
     B, H, T, D = q.shape
     E = v.shape[-1]
+    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if T == 0:  # nothing to walk: S_T is S_0
-        final_state = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+        final_state = torch.empty(n_states, H, D, E, device=q.device, dtype=torch.float32)
         if initial_state is None:
             final_state.zero_()
         else:
             final_state.copy_(initial_state)
-        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None
+        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None
     resolved = _resolve_config(q, v, config)
+    segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
-    starts = _segment_starts(k, v, initial, reverse=False, config=resolved)
-    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved)
-    return o, final_state, starts, resolved["SEGMENT_LEN"]
+    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments)
+    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, segments=segments,
+                                      n_sequences=n_states)
+    return o, final_state, starts, resolved["SEGMENT_LEN"], segments
 
 
-def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq):
-    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0)."""
+def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
+                     segments=None, n_sequences=None):
+    """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
+    is (n_sequences, H, D, E)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = -(-T // segment_len)  # rounded up
+    n_segments = -(-T // segment_len) if segments is None else segments.shape[1]  # rounded up
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
-    ds0 = torch.empty(B, H, D, E, device=q.device, dtype=torch.float32)
+    ds0 = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device, dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
     with _launch_guard():
         scan_backward_kernel[(B * H * n_segments,)](
             q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
-            T, H, D, E, segment_len, n_segments, int(compute_dq),
+            ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
             *forward_starts.strides, *suffix_starts.strides,
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret,
+            INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None,
             num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
@@ -695,25 +815,27 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
 
 class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        o, final_state, starts, ctx.segment_len = _launch(q, k, v, initial_state, config)
-        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor)
+        o, final_state, starts, ctx.segment_len, segments = _launch(q, k, v, initial_state, config, cu_seqlens)
+        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments)
         ctx.start_strides = None if starts is None else starts.strides
+        ctx.n_states = final_state.shape[0]
         return o, final_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, start_tensor = ctx.saved_tensors
+        q, k, v, start_tensor, segments = ctx.saved_tensors
         need_q, need_k, need_v, need_initial = ctx.needs_input_grad[:4]
+        packed = {"segments": segments, "n_sequences": ctx.n_states}
         B, H, T, D = q.shape
         E = v.shape[-1]
         if T == 0:  # empty gradients for q, k, v; S_T = S_0 passes G through
             dq, dk, dv = (torch.zeros_like(x) if need else None
                           for x, need in ((q, need_q), (k, need_k), (v, need_v)))
-            return dq, dk, dv, grad_final_state if need_initial else None, None
+            return dq, dk, dv, grad_final_state if need_initial else None, None, None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
         grad_final = _States.initial(grad_final_state, q.device)
@@ -726,24 +848,26 @@ class _ScanCausalProduct(torch.autograd.Function):
         config = _resolve_config(k, grad_o, overrides)
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1])
         if fused is not None and need_suffix:
-            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
+            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
+                                            segments=segments)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused,
-                                                     compute_dq=need_q)
+                                                     compute_dq=need_q, **packed)
         else:
             if need_q:
                 dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
-                                         config=_resolve_config(grad_o, k, overrides))
+                                         config=_resolve_config(grad_o, k, overrides), **packed)
             if need_suffix:
-                suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config)
+                suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
+                                                segments=segments)
                 if need_v or need_initial:
                     dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True,
-                                                     config=config)
+                                                     config=config, **packed)
                 if need_k:
                     dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
-                                             config=_resolve_config(v, q, overrides))
+                                             config=_resolve_config(v, q, overrides), **packed)
         return (dq, dk if need_k else None, dv if need_v else None,
-                d_initial if need_initial else None, None)
+                d_initial if need_initial else None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -765,12 +889,39 @@ def _check_dense(name, x):
                         "convert it with .to_dense()")
 
 
-def check_inputs(q, k, v, initial_state, method='scan'):
+def check_cu_seqlens(q, cu_seqlens):
+    """cu_seqlens: the (N + 1,) int32/int64 offsets of N sequences packed along dimension 2 of a
+    batch of one: 0 first, non-decreasing, total_T last (empty sequences allowed), read back to
+    the host once."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 offsets for N sequences, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device ({q.device}), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError("with cu_seqlens, q, k and v pack their sequences along T in a batch of one, "
+                         f"(1, H, total_T, D); got B={q.shape[0]}")
+    first, last, decreasing = torch.stack(
+        [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {decreasing} offsets below the one before")
+    if last != q.shape[2]:
+        raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
+
+
+def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device."""
+    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
+    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -824,14 +975,19 @@ def check_inputs(q, k, v, initial_state, method='scan'):
                 f"{last_offset + 1} elements per head (T={x.shape[2]}), above the limit of "
                 f"{INDEX_LIMIT + 1}. Split the sequence and chain the pieces with initial_state"
             )
+    if cu_seqlens is not None:
+        check_cu_seqlens(q, cu_seqlens)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
-        expected = (*q.shape[:2], D, E)
+        if cu_seqlens is None:
+            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+        else:  # one state per packed sequence
+            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
             raise ValueError(
-                f"initial_state must have shape (B, H, D, E) = {expected}, got {tuple(initial_state.shape)}"
+                f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
             )
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
@@ -865,26 +1021,30 @@ def _resolved(q, k, v, initial_state):
     return q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), initial_state
 
 
-def scan_causal_product(q, k, v, initial_state=None, *, config=None):
+def scan_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
     initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
     input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
-    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones."""
-    check_inputs(q, k, v, initial_state)
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
+    cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of
+    one (q, k: (1, H, total_T, D)); no state crosses a boundary, and the states are (N, H, D, E)."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens)
     if initial_state is not None:  # the API converts it once, before calling _run_validated
         initial_state = initial_state.float()
-    return _run_validated(q, k, v, initial_state, config)
+    return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     """``scan_causal_product`` for inputs already through ``check_inputs`` (the package's API
     makes the same checks, once)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ScanCausalProduct.apply(q, k, v, initial_state, config)
+        return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, config)[:2]
+    return _launch(q, k, v, initial_state, config, cu_seqlens)[:2]
