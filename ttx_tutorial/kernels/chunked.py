@@ -88,13 +88,14 @@ def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, 
                           MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(g, r) of a chunk for the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
     gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
-    g leaves at long T), and r_t = -(g_t . out_t) in float32, the denominator's."""
+    g leaves at long T), and r_t = -(g_t . out_t) in float32, the denominator's. r is taken from
+    the rounded g: score gradients g_t . v_s + r_t then cancel as they should where v_s ~ out_t."""
     b_o = tl.load(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                   mask=mask_t[:, None] & mask_e[None, :], other=0.0)
     b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
-    b_g = b_do.to(tl.float32) / b_denominator[:, None]
-    b_grad_denominator = -tl.sum(b_g * b_o.to(tl.float32), 1)
-    return _rounded(b_g, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_grad_denominator
+    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+    b_grad_denominator = -tl.sum(b_g.to(tl.float32) * b_o.to(tl.float32), 1)
+    return b_g, b_grad_denominator
 
 
 @triton.jit
@@ -515,10 +516,10 @@ def _compensated(T, chunk, dtype):
     return dtype != torch.float32 and triton.cdiv(T, chunk) > COMPENSATED_FROM_CHUNKS
 
 
-def _launch(q, k, v, initial_state, *, reverse, config, denominator=None, eps=0.0):
-    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated.
-    With ``denominator``, a (B, H, T) float32 tensor that receives d_t + eps, the normalised
-    forward (NORMALIZE): its states have E + 1 columns, z last."""
+def _launch(q, k, v, initial_state, *, reverse, config, denominator=None, eps=0.0, out_dtype=None):
+    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated,
+    o in ``out_dtype`` (None: v's). With ``denominator``, a (B, H, T) float32 tensor that receives
+    d_t + eps, the normalised forward (NORMALIZE): its states have E + 1 columns, z last."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     multiprocessors, shared_memory = _device_limits(q.device)
@@ -528,7 +529,7 @@ def _launch(q, k, v, initial_state, *, reverse, config, denominator=None, eps=0.
                                     shared_memory=shared_memory)
     if config is not None:  # checked by check_config in _run_validated
         chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
-    o = torch.empty((B, H, T, E), dtype=v.dtype, device=v.device)
+    o = torch.empty((B, H, T, E), dtype=v.dtype if out_dtype is None else out_dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
     normalize = denominator is not None
@@ -662,31 +663,31 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
                                    needs_input_grad):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
     plain backward's passes on g = dO / (d + eps), plus the denominator's terms (its gradient
-    r_t = -(g_t . out_t)) as PyTorch operations in float32. float16 runs the passes in float32:
-    g falls below float16's normal range once d_t is a few thousand."""
+    r_t = -(g_t . out_t)) as PyTorch operations in float32. The dq and dk passes write float32:
+    the denominator's terms cancel much of them, which would magnify a 16-bit rounding. float16
+    runs the passes in float32: g falls below float16's normal range once d_t is a few thousand."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
     work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
-    g = grad_o.float() / denominator[..., None]
-    r = -(g * o.float()).sum(-1, keepdim=True)                                     # (B, H, T, 1)
-    q_w, k_w, v_w, g_w = (x.to(work_dtype) for x in (q, k, v, g))
+    q_w, k_w, v_w, g_w = (x.to(work_dtype) for x in (q, k, v, grad_o.float() / denominator[..., None]))
+    r = -(g_w.float() * o.float()).sum(-1, keepdim=True)  # (B, H, T, 1), from the g the passes see
     grad_q = grad_k = grad_v = grad_initial_state = None
     if needs_q:  # dq_t = plain(g) + r_t z_t
         s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
-        grad_q, _ = _launch(g_w, v_w, k_w, s0_t, reverse=False, config=config)
+        grad_q, _ = _launch(g_w, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
         z = k.float().cumsum(2)
         if initial_state is not None:
             z += initial_state[..., E].unsqueeze(2)
-        grad_q = (grad_q.float() + r * z).to(q.dtype)
+        grad_q = (grad_q + r * z).to(q.dtype)
     # dz_s = G_z + sum_{t >= s} r_t q_t reaches every key s; its value at s = 0 is dz_0.
     weighted_q = r * q.float()
     if needs_k:  # dk_s = plain(g) + dz_s
         g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
-        grad_k, _ = _launch(v_w, g_w, q_w, g_t, reverse=True, config=config)
+        grad_k, _ = _launch(v_w, g_w, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
         dz = weighted_q.flip(2).cumsum(2).flip(2)
         if grad_final_state is not None:
             dz += grad_final_state[..., E].unsqueeze(2)
-        grad_k = (grad_k.float() + dz).to(k.dtype)
+        grad_k = (grad_k + dz).to(k.dtype)
     if needs_v or needs_initial_state:
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
         grad_v, grad_s0 = _launch(k_w, q_w, g_w, g_s, reverse=True, config=config)
