@@ -83,17 +83,20 @@ def wrapper_calls(module):
         return step_calls(module)
     calls = []
 
-    def add(B, H, T, D, E, dtype, config=None, with_state=True):
+    def add(B, H, T, D, E, dtype, config=None, with_state=True, normalized=False):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
             k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
             v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=True)
-            s0 = torch.empty(B, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
-            o, state = module._run_validated(q, k, v, s0, config=config)
+            s0 = torch.empty(B, H, D, E + normalized, dtype=torch.float32, requires_grad=True) if with_state else None
+            if normalized:  # the states carry z as an extra column
+                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config)
+            else:
+                o, state = module._run_validated(q, k, v, s0, config=config)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
-                "initial_state": with_state}
+                "initial_state": with_state, "normalized": normalized}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -105,6 +108,16 @@ def wrapper_calls(module):
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):
             add(1, 1, LONG_T, head_dim, head_dim, dtype)
+    # The normalised attention of a file that computes it in the kernel (chunked's NORMALIZE):
+    # its forward, its fused backward and its passes.
+    if hasattr(module, "_run_normalized_validated"):
+        for dtype in DTYPES:
+            for D, E in COVERAGE_HEAD_DIMS:
+                for B, H, T in COVERAGE_SHAPES:
+                    if B * H * T * max(D, E) <= 2_000_000:
+                        add(B, H, T, D, E, dtype, with_state=(T != 100), normalized=True)
+        for dtype in (torch.float16, torch.bfloat16):
+            add(1, 1, LONG_T, 64, 64, dtype, normalized=True)
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):
