@@ -463,6 +463,33 @@ def test_gpu_65536_tokens_stay_finite(method, dtype):
     assert_close(out[:, :1], expected, dtype)
 
 
+def attention64_by_chunks(q, k, v, phi, eps, chunk=1024):
+    """attention64's output for long float64 sequences on any device: chunk by chunk with
+    (S, z) carried, so memory is O(chunk^2) and autograd can follow it."""
+    state = q.new_zeros((*q.shape[:2], q.shape[-1], v.shape[-1] + 1))
+    outputs = []
+    for start in range(0, q.shape[2], chunk):
+        part = slice(start, start + chunk)
+        out, state = attention64(q[:, :, part], k[:, :, part], v[:, :, part], phi, True, eps, state)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype):
+    """The chunked kernel's normaliser over 65536 tokens, one launch forward and one backward:
+    out and the gradients of q, k and v against float64 (on the GPU, chunk by chunk)."""
+    q, k, v = random_inputs(1, 2, 65536, 64, 64, dtype=dtype, requires_grad=True)
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = attention64_by_chunks(*leaves, lambda x: F.elu(x) + 1, 1e-6)
+    assert_close(out, expected, dtype, "output")
+    check_gradients((q, k, v), torch.autograd.grad(expected, leaves, grad_out.double()), dtype, "T = 65536")
+
+
 @pytest.mark.gpu
 def test_gpu_step_replays_from_a_cuda_graph():
     layer = make_layer("auto", dim=1024, heads=16, dtype=torch.bfloat16)
