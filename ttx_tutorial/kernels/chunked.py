@@ -16,6 +16,10 @@ S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO)
 final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
 one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwise
 ``chunked_kernel`` runs three times.
+``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
+the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
+and adds the denominator's gradient in the same walks (the three passes: in PyTorch).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -28,7 +32,7 @@ of positive features takes the state past float16's 65504.
 Tensor cores accumulate with truncation: beyond ``COMPENSATED_FROM_CHUNKS`` chunks, 16-bit
 inputs add each chunk's state product in rounded float32 with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6.
+and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled, not yet run on a GPU).
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
