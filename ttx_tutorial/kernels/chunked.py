@@ -32,7 +32,7 @@ of positive features takes the state past float16's 65504.
 Tensor cores accumulate with truncation: beyond ``COMPENSATED_FROM_CHUNKS`` chunks, 16-bit
 inputs add each chunk's state product in rounded float32 with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled, not yet run on a GPU).
+and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled with 3.9 only, not yet run on a GPU).
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
