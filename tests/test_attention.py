@@ -487,7 +487,13 @@ def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype):
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     expected = attention64_by_chunks(*leaves, lambda x: F.elu(x) + 1, 1e-6)
     assert_close(out, expected, dtype, "output")
-    check_gradients((q, k, v), torch.autograd.grad(expected, leaves, grad_out.double()), dtype, "T = 65536")
+    for label, leaf, grad in zip("qkv", (q, k, v), torch.autograd.grad(expected, leaves, grad_out.double())):
+        # dq's cancellation (check_against_reference) magnifies the rounding of the float32 state:
+        # to bfloat16, and for float16 to TF32 (products of float32 operands on a GPU). In CPU mode,
+        # which multiplies in full float32, bfloat16's dq errs by 2.8e-2 at this size.
+        tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[dtype]
+        error = relative_error(leaf.grad, grad)
+        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
 
 
 @pytest.mark.gpu
