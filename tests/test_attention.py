@@ -234,14 +234,14 @@ def test_kernel_normaliser_matches_float64_with_states_and_gradients(feature, dt
     """method="chunked" normalises in the kernel: out, the (S, z) state it returns and the
     gradients of q, k, v and the initial state against float64, outputs poisoned beforehand."""
     name, phi, _ = FEATURE_MAPS[feature]
-    q, k, v = random_inputs(2, 2, 77, 16, 24, dtype=dtype, requires_grad=True)
-    s0 = state_after_prefix(2, 2, 16, 24, phi)
+    q, k, v = random_inputs(1, 2, 77, 16, 24, dtype=dtype, requires_grad=True)
+    s0 = state_after_prefix(1, 2, 16, 24, phi)
     with poisoned_allocations():
         out, state = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, method="chunked",
                                                           initial_state=s0, return_state=True)
         grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
         torch.autograd.backward((out, state), (grad_out, grad_state))
-    assert out.dtype == dtype and state.shape == (2, 2, 16, 25) and state.dtype == torch.float32
+    assert out.dtype == dtype and state.shape == (1, 2, 16, 25) and state.dtype == torch.float32
     expected_out, expected_state, *expected_grads = reference_with_state((q, k, v), s0, phi, 1e-6, grad_out,
                                                                          grad_state)
     assert_close(out, expected_out, dtype, "output")
