@@ -83,7 +83,8 @@ def wrapper_calls(module):
         return step_calls(module)
     calls = []
 
-    def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32):
+    def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
+            normalized=False):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
@@ -91,11 +92,15 @@ def wrapper_calls(module):
             v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=True)
             packed = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=offsets_dtype)
             states = B if cu_seqlens is None else len(cu_seqlens) - 1
-            s0 = torch.empty(states, H, D, E, dtype=torch.float32, requires_grad=True) if with_state else None
-            o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
+            s0 = (torch.empty(states, H, D, E + normalized, dtype=torch.float32, requires_grad=True)
+                  if with_state else None)
+            if normalized:  # the states carry z as an extra column
+                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config)
+            else:
+                o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
-                "initial_state": with_state, "cu_seqlens": cu_seqlens}
+                "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -114,6 +119,16 @@ def wrapper_calls(module):
             add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000))
     add(1, 4, 3000, 64, 64, torch.bfloat16, cu_seqlens=(0, 1500, 3000), offsets_dtype=torch.int64)
     add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1))
+    # The normalised attention of a file that computes it in the kernel (chunked's NORMALIZE):
+    # its forward, its fused backward and its passes.
+    if hasattr(module, "_run_normalized_validated"):
+        for dtype in DTYPES:
+            for D, E in COVERAGE_HEAD_DIMS:
+                for B, H, T in COVERAGE_SHAPES:
+                    if B * H * T * max(D, E) <= 2_000_000:
+                        add(B, H, T, D, E, dtype, with_state=(T != 100), normalized=True)
+        for dtype in (torch.float16, torch.bfloat16):
+            add(1, 1, LONG_T, 64, 64, dtype, normalized=True)
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):

@@ -10,15 +10,20 @@ eps enters once, added to the denominator phi(q_t)^T z_t after that has been com
 nowhere else: it only keeps a zero denominator (relu features of a query with no positive
 entry) from dividing by zero.
 
-The normaliser costs no pass of its own: a column of ones appended to v makes the causal
-product carry z_t as the last column of its float32 state, and its last output column is
-phi(q_t)^T z_t. Every Triton method thus accumulates numerator and denominator in one pass,
-forward and backward. The state of the normalised attention is that augmented state,
-(B, H, D, E + 1) float32: S in the first E columns, z in the last.
+The normaliser costs no pass of its own. The chunked kernel computes it (method "chunked",
+and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
+denominator comes from the chunk's masked scores and z, the division happens before the
+store, and the backward kernel takes the denominator's gradient in the same walks. The other
+methods, and every method while ``torch.compile`` traces (its operator is the plain product),
+append a column of ones to v instead: the product then carries z_t as the last column of its
+float32 state, and its last output column is phi(q_t)^T z_t. Either way the state of the
+normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in the last.
 
-float16 inputs run the product in float32: phi(q_t)^T z_t grows like t (about D * t for the
-default feature map), past float16's largest value 65504 for long sequences, and the product's
-output has the input dtype. bfloat16 shares float32's range and needs no such care.
+With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
+(about D * t for the default feature map), past float16's largest value 65504 for long
+sequences, and the product's output has the input dtype. The chunked kernel keeps the
+denominator in float32 and stores only the normalised output, so float16 stays float16 there.
+bfloat16 shares float32's range and needs no such care.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from torch import nn
 
 from . import ops
 from ._device import DEVICE
-from .api import AUTO, causal_product
+from .api import AUTO, causal_product, choose_method
+from .kernels import chunked as _chunked
 from .kernels import step as _step
 
 
@@ -67,8 +73,35 @@ def _check_eps(eps):
 
 
 def _compute_dtype(dtype, normalize):
-    """The dtype the product runs in: float32 for normalised float16 (module docstring)."""
+    """The dtype the product runs in: float32 for float16 normalised by a ones column (module docstring)."""
     return torch.float32 if normalize and dtype == torch.float16 else dtype
+
+
+def _kernel_normalizes(method, q, k, v, initial_state):
+    """Whether the chunked kernel computes the normaliser: method "chunked", or "auto" where it
+    picks chunked; never while torch.compile traces. Checks the inputs (as the kernel file does,
+    with the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
+    if method not in ("chunked", AUTO) or torch.compiler.is_compiling():
+        return False
+    _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
+    return method == "chunked" or choose_method(q, v) == "chunked"
+
+
+def _mapped(feature, x, name):
+    """feature(x), which the kernel reads as it reads x: same shape, same dtype."""
+    phi = feature(x)
+    if not isinstance(phi, torch.Tensor) or phi.shape != x.shape or phi.dtype != x.dtype:
+        got = (f"{phi.dtype} {tuple(phi.shape)}" if isinstance(phi, torch.Tensor) else type(phi).__name__)
+        raise ValueError(f"feature_map must keep the shape and dtype of {name} ({x.dtype} {tuple(x.shape)}), "
+                         f"got {got}")
+    return phi
+
+
+def _on_tensors_device(x):
+    """Launch on the tensors' GPU, not the current one."""
+    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 _STEP_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,7 +119,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         normalize: divide by phi(q_t)^T z_t + eps (the default); False returns the plain
             causal product of phi(q), phi(k) and v, and eps is unused.
         eps: added to the denominator, >= 0 (see the module docstring).
-        method: any method of :data:`ttx_tutorial.METHODS`, or "auto".
+        method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked" (and "auto"
+            where it picks chunked) normalises inside the kernel; the others append a column of
+            ones to v (see the module docstring).
         initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
             normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
         return_state: also return the state after the last token, in the same layout.
@@ -111,10 +146,19 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
 
     cast = ops.autocast_dtype(q)
     out_dtype = q.dtype if cast is None else cast
-    compute_dtype = _compute_dtype(out_dtype, normalize)
-    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     # Off for the product: it would cast float32 back to autocast's float16 (module docstring).
     no_autocast = torch.autocast(q.device.type, enabled=False) if cast is not None else contextlib.nullcontext()
+    if normalize and _kernel_normalizes(method, q, k, v, initial_state):
+        q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
+        if initial_state is not None:
+            initial_state = initial_state.float()
+        with no_autocast, _on_tensors_device(q):
+            out, state = _chunked._run_normalized_validated(_mapped(feature, q, "q"), _mapped(feature, k, "k"), v,
+                                                            initial_state, eps)
+        return (out, state) if return_state else out
+
+    compute_dtype = _compute_dtype(out_dtype, normalize)
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     with no_autocast:
         phi_q, phi_k = feature(q), feature(k)
         if normalize:

@@ -16,6 +16,10 @@ S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO)
 final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
 one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwise
 ``chunked_kernel`` runs three times.
+``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
+the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
+and adds the denominator's gradient in the same walks (the three passes: in PyTorch).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -36,7 +40,7 @@ Tensor cores accumulate with truncation, a bias that grows with every addition i
 under 3xTF32 (three products a chunk) each chunk's state product is added in rounded float32
 instead, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6.
+and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled with 3.9 only, not yet run on a GPU).
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
@@ -46,6 +50,7 @@ round by hand (``_rounded``) and widen every product operand to float32.
 
 import contextlib
 import functools
+import math
 import threading
 
 import torch
@@ -84,15 +89,42 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptrs, store_mask):
+    """(O_c / (d + eps), z_c) for a chunk: d_t = rowsum(A)_t + q_t . z_{c-1} in float32, from the
+    unrounded masked scores A, and z_c = z_{c-1} + the chunk's keys. It needs no v, so every value
+    block's program computes it for itself; d_t + eps is stored where ``store_mask`` holds."""
+    b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
+    tl.store(denominator_ptrs, b_denominator, mask=store_mask)
+    return b_o / b_denominator[:, None], b_z + tl.sum(b_kt.to(tl.float32), 1)
+
+
+@triton.jit
+def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                          MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(g, r) of a chunk for the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
+    gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
+    g leaves at long T), and r_t = -(g_t . out_t) in float32, the denominator's. r is taken from
+    the rounded g: score gradients g_t . v_s + r_t then cancel as they should where v_s ~ out_t."""
+    b_o = tl.load(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                  mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
+    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+    b_grad_denominator = -tl.sum(b_g.to(tl.float32) * b_o.to(tl.float32), 1)
+    return b_g, b_grad_denominator
+
+
+@triton.jit
 def chunked_kernel(
     q_ptr, k_ptr, v_ptr,            # inputs: q, k (B, H, T, D), v (B, H, T, E)
     o_ptr,                          # output (B, H, T, E), dtype of v
-    initial_state_ptr,              # (B, H, D, E) float32, read when has_initial_state
-    final_state_ptr,                # (B, H, D, E) float32, written
+    initial_state_ptr,              # (B, H, D, E) float32 (E + 1 columns, z last, when NORMALIZE)
+    final_state_ptr,                # (B, H, D, E) float32 (E + 1 when NORMALIZE), written
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
+    denominator_ptr,                # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     reverse,                        # 1: walk the chunks backwards, so o_t sees tokens s >= t
     has_initial_state,              # 0: start from zeros (initial_state_ptr is then never read)
+    eps,                            # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -106,6 +138,7 @@ def chunked_kernel(
     COMPENSATED: tl.constexpr,      # long sequences: the state summed with a carry
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,        # q, k, v, o hold B sequences packed in one row (see the header)
+    NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only)
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
@@ -145,10 +178,14 @@ def chunked_kernel(
     mask_de = mask_d[:, None] & mask_e[None, :]
 
     b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    # NORMALIZE: z, the sum of the keys so far, carried next to the state (column E of the states).
+    b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     if has_initial_state:
         initial_state_ptr += b * stride_s0b + h * stride_s0h
         b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
                           mask=mask_de, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            b_z = tl.load(initial_state_ptr + offs_d * stride_s0d + E * stride_s0e, mask=mask_d, other=0.0)
 
     # Inside a chunk, row i (token t) sees column j (token s) when s <= t, or s >= t in reverse.
     # The flags are runtime integers: they act outside the products, so one compiled kernel
@@ -157,6 +194,9 @@ def chunked_kernel(
 
     num_chunks = (T + CHUNK - 1) // CHUNK
     b_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    # NORMALIZE: d_t + eps and z belong to no value block; the first block's program stores them.
+    stored_tokens = tl.where(pid_e == 0, T, 0)
+    stored_rows = tl.where(pid_e == 0, D, 0)
     for i in range(num_chunks):
         chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
         offs_t = chunk * CHUNK + offs_c
@@ -184,6 +224,9 @@ def chunked_kernel(
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
                      acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION)
+        if NORMALIZE:
+            b_o, b_z = _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptr + (b * H + h) * T + offs_t,
+                                   offs_t < stored_tokens)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
@@ -191,15 +234,20 @@ def chunked_kernel(
     final_state_ptr += b * stride_sfb + h * stride_sfh
     tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
              b_state, mask=mask_de)
+    if NORMALIZE:
+        tl.store(final_state_ptr + offs_d * stride_sfd + E * stride_sfe, b_z, mask=offs_d < stored_rows)
 
 
 @triton.jit
 def chunked_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
+    o_ptr,                          # NORMALIZE: the forward's output (B, H, T, E)
+    denominator_ptr,                # NORMALIZE: the forward's d_t + eps (B, H, T) float32, contiguous
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     initial_state_ptr,              # S_0 (B, H, D, E) float32, read when has_initial_state
     g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32, read when has_final_grad
     ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
+                                    # (the three states have E + 1 columns, z last, when NORMALIZE)
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
     compute_dq,                     # 0: skip the forward walk (q needs no gradient; dq_ptr unused)
@@ -209,6 +257,7 @@ def chunked_backward_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -220,6 +269,7 @@ def chunked_backward_kernel(
     INTERPRETED: tl.constexpr,
     COMPENSATED: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
     # Two walks over the chunks.
@@ -230,6 +280,13 @@ def chunked_backward_kernel(
     # upper triangle (t >= s),
     #   dV_c = ((K_c Q_c^T) * U) dO_c + K_c R_c,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R_c^T,
     #   R_{c-1} = R_c + Q_c^T dO_c,  and R_0 = dS_0.
+    # NORMALIZE, out_t = n_t / (d_t + eps) with d_t = q_t . z_t: the numerator's gradient is
+    # g_t = dO_t / (d_t + eps) and the denominator's r_t = -(dO_t . out_t) / (d_t + eps). Both walks
+    # run the plain backward on g, and d_t, a causal product of q and k with values 1, adds r_t to
+    # every visible score gradient, r_t z_{c-1} to dq_t (z_{c-1}: z_0 and the earlier chunks' keys),
+    # and to dk_s the sum of r_t q_t over the later chunks' tokens and the final z's gradient
+    # (dz, carried next to R; what it ends as is dz_0). One program holds every column of a token,
+    # so r_t is computed here.
     # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -264,13 +321,18 @@ def chunked_backward_kernel(
     mask_d = offs_d < D
     mask_e = offs_e < E
     num_chunks = (T + CHUNK - 1) // CHUNK
+    o_ptr += b * stride_ob + h * stride_oh
+    denominator_ptr += (b * H + h) * T
 
     if compute_dq:
         b_p = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+        b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
         if has_initial_state:
             initial_state_ptr += b * stride_s0b + h * stride_s0h
             b_p = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
                           mask=mask_e[:, None] & mask_d[None, :], other=0.0)
+            if NORMALIZE:
+                b_z = tl.load(initial_state_ptr + offs_d * stride_s0d + E * stride_s0e, mask=mask_d, other=0.0)
         # Row t (token t) receives from column s (token s) when s <= t.
         lower = offs_c[:, None] >= offs_c[None, :]
         b_p_carry = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
@@ -288,21 +350,35 @@ def chunked_backward_kernel(
                 b_do = b_do.to(tl.float32)
                 b_vt = b_vt.to(tl.float32)
                 b_k = b_k.to(tl.float32)
+            if NORMALIZE:
+                b_do, b_grad_denominator = _normalizer_gradients(
+                    b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                    MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                b_vt = b_vt.to(MIXED_DOT_DTYPE)
+                b_k = b_k.to(MIXED_DOT_DTYPE)
             b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION)          # [C, C]
+            if NORMALIZE:
+                b_scores += b_grad_denominator[:, None]
             b_scores = tl.where(lower, b_scores, 0.0)
             b_dq = tl.dot(b_do.to(MIXED_DOT_DTYPE), _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)                             # [C, D]
             b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           b_k.to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
+            if NORMALIZE:
+                b_dq += b_grad_denominator[:, None] * b_z[None, :]
+                b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     if has_final_grad:
         g_ptr += b * stride_gb + h * stride_gh
         b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+        if NORMALIZE:
+            b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
     b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
@@ -321,10 +397,19 @@ def chunked_backward_kernel(
             b_k = b_k.to(tl.float32)
             b_v = b_v.to(tl.float32)
             b_do = b_do.to(tl.float32)
+        if NORMALIZE:
+            b_do, b_grad_denominator = _normalizer_gradients(
+                b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+            b_q = b_q.to(MIXED_DOT_DTYPE)
+            b_k = b_k.to(MIXED_DOT_DTYPE)
+            b_v = b_v.to(MIXED_DOT_DTYPE)
 
         b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
         b_kq = tl.where(upper, b_kq, 0.0)
         b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
+        if NORMALIZE:
+            b_vdo += b_grad_denominator[None, :]
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
@@ -333,6 +418,9 @@ def chunked_backward_kernel(
         b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
                       acc=b_dk, input_precision=FLOAT32_PRECISION)
+        if NORMALIZE:
+            b_dk += b_dz[None, :]
+            b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
@@ -340,8 +428,11 @@ def chunked_backward_kernel(
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
                  _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
-    ds0_ptr += pid_bh.to(tl.int64) * D * E
-    tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+    state_width = E + 1 if NORMALIZE else E
+    ds0_ptr += pid_bh.to(tl.int64) * D * state_width
+    tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+    if NORMALIZE:
+        tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -503,10 +594,13 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
                   "FLOAT32_PRECISION": precision, "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
 
 
-def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None):
-    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated.
-    With ``cu_seqlens``, q, k, v hold its sequences packed in one row, and the states are per
-    sequence: (N, H, D, E)."""
+def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denominator=None, eps=0.0,
+            out_dtype=None):
+    """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated,
+    o in ``out_dtype`` (None: v's). With ``cu_seqlens``, q, k, v hold its sequences packed in one
+    row, and the states are per sequence: (N, H, D, E). With ``denominator``, a (B, H, T) float32
+    tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have E + 1
+    columns, z last (not with ``cu_seqlens``)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     o_shape = (B, H, T, E)
@@ -518,19 +612,22 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None):
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
                                          triton.knobs.runtime.interpret, precision,
                                          () if config is None else tuple(sorted(config.items())))
-    o = torch.empty(o_shape, dtype=v.dtype, device=v.device)
+    o = torch.empty(o_shape, dtype=v.dtype if out_dtype is None else out_dtype, device=v.device)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
-    final_state = torch.empty((B, H, D, E), dtype=torch.float32, device=v.device)
-    # Without an initial state, final_state stands in for its pointer; the kernel never reads it.
+    normalize = denominator is not None
+    final_state = torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=v.device)
+    # Without an initial state (or a denominator), final_state stands in for its pointer; the
+    # kernel never reads it.
     has_initial_state = initial_state is not None
     initial_state = initial_state if has_initial_state else final_state
     with _launch_guard():
         chunked_kernel[grid](
             q, k, v, o, initial_state, final_state, final_state if cu_seqlens is None else cu_seqlens,
-            T, H, D, E, int(reverse), int(has_initial_state),
+            denominator if normalize else final_state,
+            T, H, D, E, int(reverse), int(has_initial_state), float(eps),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
-            IS_VARLEN=cu_seqlens is not None, **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
         )
     return o, final_state
 
@@ -541,66 +638,70 @@ FUSED_BACKWARD_MAX_BLOCK = 64
 _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _fused_backward_shared_memory(fused, dtype):
-    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO in
-    flight, plus R and its transpose as product operands (counted at 4 bytes)."""
-    chunk_bytes = fused["CHUNK"] * 2 * (fused["BLOCK_D"] + fused["BLOCK_E"]) * dtype.itemsize
+def _fused_backward_shared_memory(fused, dtype, normalize=False):
+    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO (and
+    o when normalising) in flight, plus R and its transpose as product operands (counted at 4 bytes)."""
+    chunk_bytes = fused["CHUNK"] * (2 * fused["BLOCK_D"] + (2 + normalize) * fused["BLOCK_E"]) * dtype.itemsize
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1]):
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False):
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
     ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
     need the registers). One program per head leaves the load pipeline as its parallelism:
-    4 warps, 4 stages, fewer stages until the loads in flight fit ``shared_memory``."""
+    4 warps, 4 stages, fewer stages until the loads in flight fit ``shared_memory`` (``normalize``:
+    the normalised backward's, which also loads o)."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
-    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype) > shared_memory:
+    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides):
+def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides, normalize=False):
     """Launch keywords of ``chunked_backward_kernel`` for one shape (``fused_backward_config``
     with the constexprs), or None where the backward runs ``chunked_kernel`` three times instead.
     Cached like ``_launch_plan``; the returned dict is shared and must not be modified."""
-    fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory)
+    fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory, normalize=normalize)
     if fused is None:
         return None
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
-                     cu_seqlens=None):
+                     cu_seqlens=None, o=None, denominator=None):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
     initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros
-    (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence).
-    launch_keywords: ``_backward_plan``'s."""
+    (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence). With the forward's ``o``
+    and ``denominator``, the normalised backward (NORMALIZE): the three states then have E + 1
+    columns, z last. launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
+    normalize = denominator is not None
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
-    ds0 = torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
+    ds0 = torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=q.device)
     # Absent tensors get a stand-in pointer the kernel never follows (its flag is 0).
     dq_arg = dk if dq is None else dq
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
+    o_arg, denominator_arg = (o, denominator) if normalize else (grad_o, ds0)
     with _launch_guard():
         chunked_backward_kernel[(B * H,)](
-            q, k, v, grad_o, dq_arg, dk, dv, s0_arg, g_arg, ds0, ds0 if cu_seqlens is None else cu_seqlens,
-            T, H, D, E,
+            q, k, v, grad_o, o_arg, denominator_arg, dq_arg, dk, dv, s0_arg, g_arg, ds0,
+            ds0 if cu_seqlens is None else cu_seqlens, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
-            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(),
-            *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-            IS_VARLEN=cu_seqlens is not None, **launch_keywords,
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
+            *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
         )
     return dq, dk, dv, ds0
 
@@ -643,6 +744,87 @@ class _ChunkedCausalProduct(torch.autograd.Function):
             grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
                                                  config=ctx.config, cu_seqlens=cu_seqlens)
         return (grad_q, grad_k, grad_v if needs_v else None,
+                grad_initial_state if needs_initial_state else None, None, None)
+
+
+def _launch_normalized(q, k, v, initial_state, eps, config):
+    """The normalised forward in one pass: (out, final_state (B, H, D, E + 1), d + eps (B, H, T))."""
+    B, H, T, _ = q.shape
+    denominator = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, denominator=denominator, eps=eps)
+    return o, final_state, denominator
+
+
+def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
+                                   needs_input_grad):
+    """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
+    plain backward's passes on g = dO / (d + eps), plus the denominator's terms (its gradient
+    r_t = -(g_t . out_t)) as PyTorch operations in float32. The dq and dk passes write float32:
+    the denominator's terms cancel much of them, which would magnify a 16-bit rounding. float16
+    runs the passes in float32: g falls below float16's normal range once d_t is a few thousand."""
+    needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
+    E = v.shape[-1]
+    work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    q_w, k_w, v_w, g_w = (x.to(work_dtype) for x in (q, k, v, grad_o.float() / denominator[..., None]))
+    r = -(g_w.float() * o.float()).sum(-1, keepdim=True)  # (B, H, T, 1), from the g the passes see
+    grad_q = grad_k = grad_v = grad_initial_state = None
+    if needs_q:  # dq_t = plain(g) + r_t z_t
+        s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
+        grad_q, _ = _launch(g_w, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
+        z = k.float().cumsum(2)
+        if initial_state is not None:
+            z += initial_state[..., E].unsqueeze(2)
+        grad_q = (grad_q + r * z).to(q.dtype)
+    # dz_s = G_z + sum_{t >= s} r_t q_t reaches every key s; its value at s = 0 is dz_0.
+    weighted_q = r * q.float()
+    if needs_k:  # dk_s = plain(g) + dz_s
+        g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
+        grad_k, _ = _launch(v_w, g_w, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
+        dz = weighted_q.flip(2).cumsum(2).flip(2)
+        if grad_final_state is not None:
+            dz += grad_final_state[..., E].unsqueeze(2)
+        grad_k = (grad_k + dz).to(k.dtype)
+    if needs_v or needs_initial_state:
+        g_s = None if grad_final_state is None else grad_final_state[..., :E]
+        grad_v, grad_s0 = _launch(k_w, q_w, g_w, g_s, reverse=True, config=config)
+        grad_v = grad_v.to(v.dtype)
+        dz0 = weighted_q.sum(2)
+        if grad_final_state is not None:
+            dz0 += grad_final_state[..., E]
+        grad_initial_state = torch.cat([grad_s0, dz0.unsqueeze(-1)], dim=-1)
+    return grad_q, grad_k, grad_v, grad_initial_state
+
+
+class _ChunkedNormalizedAttention(torch.autograd.Function):
+    """Forward: one pass. Backward: one fused launch, or the plain passes on g and PyTorch's terms."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, eps, config):
+        ctx.set_materialize_grads(False)
+        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config)
+        ctx.save_for_backward(q, k, v, initial_state, o, denominator)
+        ctx.config = config
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, initial_state, o, denominator = ctx.saved_tensors
+        needs_q, needs_k, needs_v, needs_initial_state = ctx.needs_input_grad[:4]
+        if grad_o is None:  # only the final state was used
+            grad_o = torch.zeros_like(o)
+        fused = _backward_plan(q.shape[2], q.shape[3], v.shape[3], q.dtype, _device_limits(q.device)[1],
+                               triton.knobs.runtime.interpret,
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True)
+        if fused is not None:
+            grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
+                q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q, o=o,
+                denominator=denominator)
+        else:
+            grad_q, grad_k, grad_v, grad_initial_state = _normalized_backward_in_passes(
+                q, k, v, initial_state, o, denominator, grad_o, grad_final_state, ctx.config,
+                ctx.needs_input_grad[:4])
+        return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
                 grad_initial_state if needs_initial_state else None, None, None)
 
 
@@ -691,13 +873,14 @@ def check_cu_seqlens(q, cu_seqlens):
         raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
 
 
-def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None):
+def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None, *, normalized=False):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
-    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
+    dense floating (B, H, D, E) tensor on their device ((B, H, D, E + 1) when ``normalized``).
+    cu_seqlens: None, or the offsets of N sequences packed along T (``check_cu_seqlens``); the
+    states are then (N, H, D, E)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -758,7 +941,8 @@ def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
         if cu_seqlens is None:
-            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+            expected = (*q.shape[:2], D, E + normalized)
+            layout = "(B, H, D, E + 1), z as the last column," if normalized else "(B, H, D, E)"
         else:  # one state per packed sequence
             layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
         if tuple(initial_state.shape) != expected:
@@ -810,6 +994,39 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqle
     if initial_state is not None:  # the API converts it once, before calling _run_validated
         initial_state = initial_state.float()
     return _run_validated(q, k, v, initial_state, config, cu_seqlens)
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def chunked_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None):
+    """Normalised causal linear attention of features q, k (the feature map already applied):
+    out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
+    numerator and denominator accumulated in float32 in one pass. eps (finite, >= 0) is added
+    once, to q_t^T z_t. Shapes and dtypes as ``chunked_causal_product``; initial_state: None or
+    (B, H, D, E + 1) float32, S_0 then z_0 as the last column. Returns (out, final_state): out in
+    the input dtype, final_state (B, H, D, E + 1) float32 in the same layout. Differentiable in
+    q, k, v and initial_state."""
+    check_inputs(q, k, v, initial_state, normalized=True)
+    _check_eps(eps)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return _run_normalized_validated(q, k, v, initial_state, eps, config)
+
+
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None):
+    """``chunked_normalized_attention`` for inputs, eps included, already checked."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        return _ChunkedNormalizedAttention.apply(q, k, v, initial_state, eps, config)
+    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config)
+    return o, final_state
 
 
 def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
