@@ -25,9 +25,10 @@ chunked config whose error meets the setting's bound (``ERROR_BOUNDS``), beside
 fast-transformers and fla; ``--out`` also gets every row as JSON with the date, GPU, versions and
 command.
 
-Work is ordered so that a time limit (``--max-seconds``, 200 by default: the whole run stays under
-four minutes on one H200, compilation included) cuts the least useful part: first every shape's
-peers, rules and references, then the candidates, shape by shape; rows not timed in time say so.
+Work is ordered so that a time limit (``--max-seconds``, 200 by default) cuts the least useful
+part: first every shape's rules and references, then the peers (fla autotunes each kernel on its
+first float32 call, which can take minutes; ``--no-peers`` leaves them out), then the candidates,
+shape by shape; rows not timed in time say so.
 """
 
 from __future__ import annotations
@@ -192,10 +193,10 @@ def peers():
 
 def jobs(shapes, settings, peer_functions):
     """(shape index, setting, implementation, config, function, time_major), most useful first."""
-    first, second = [], []
+    first, peer_jobs, second = [], [], []
     for index, (B, H, T, D, E) in enumerate(shapes):
         for name, (function, time_major) in peer_functions.items():
-            first.append((index, None, name, None, function, time_major))
+            peer_jobs.append((index, None, name, None, function, time_major))
         for setting in settings:
             for method in ("chunked", "scan", "recurrent"):
                 first.append((index, setting, method, "rule",
@@ -204,12 +205,12 @@ def jobs(shapes, settings, peer_functions):
                 second.append((index, setting, "chunked", config,
                                (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(config),
                                False))
-    return first + second
+    return first + peer_jobs + second
 
 
-def run(shapes, settings, max_seconds):
+def run(shapes, settings, max_seconds, with_peers=True):
     start = time.perf_counter()
-    peer_functions, missing = peers()
+    peer_functions, missing = peers() if with_peers else ({}, {"peers": "--no-peers"})
     points = {}
     rows = []
     for index, setting, impl, config, function, time_major in jobs(shapes, settings, peer_functions):
@@ -281,6 +282,7 @@ def main(argv=None):
                         help="torch.set_float32_matmul_precision values, comma-separated")
     parser.add_argument("--max-seconds", type=float, default=200.0, help="start no timing after this")
     parser.add_argument("--out", default=None, help="JSON file for every row and the environment")
+    parser.add_argument("--no-peers", action="store_true", help="time neither fast-transformers nor fla")
     args = parser.parse_args(argv)
     if args.shapes is not None:
         shapes = parse_shapes(args.shapes, "--shapes")
@@ -292,7 +294,7 @@ def main(argv=None):
         parser.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(ERROR_BOUNDS)}")
     env = environment(" ".join(["python", *sys.argv]) if argv is None else " ".join(["float32_sweep", *argv]))
     print(json.dumps(env))
-    rows, missing, seconds = run(shapes, settings, args.max_seconds)
+    rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers)
     for name, why in missing.items():
         print(f"{name}: not timed ({why})")
     print(summary(rows))
