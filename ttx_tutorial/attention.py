@@ -37,6 +37,7 @@ from torch import nn
 
 from . import ops
 from ._device import DEVICE
+from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
 from .api import AUTO, causal_product, choose_method
 from .kernels import chunked as _chunked
 from .kernels import step as _step
@@ -79,10 +80,18 @@ def _compute_dtype(dtype, normalize):
 
 def _kernel_normalizes(method, q, k, v, initial_state):
     """Whether the chunked kernel computes the normaliser: method "chunked", or "auto" where it
-    picks chunked; never while torch.compile traces. Checks the inputs (as the kernel file does,
-    with the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
-    if method not in ("chunked", AUTO) or torch.compiler.is_compiling():
+    picks chunked (while torch.compile traces, "auto" always: its operator chooses at run time).
+    Checks the inputs (as the kernel file does, with the normalised state's (B, H, D, E + 1)
+    layout) before "auto" looks at them."""
+    if method not in ("chunked", AUTO):
         return False
+    if torch.compiler.is_compiling():
+        # The API's checks, which the compiler can trace (the kernel file asks Triton's settings
+        # for the device). The state's last column, z, was checked by the caller: the rest is S's.
+        check_inputs(q, k, v, None if initial_state is None else initial_state[..., :-1], method=method,
+                     dtypes=KERNEL_DTYPES, max_head_dim=_chunked.MAX_HEAD_DIM, expected_device=DEVICE.type,
+                     index_limit=KERNEL_INDEX_LIMIT)
+        return True
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
     return method == "chunked" or choose_method(q, v) == "chunked"
 
@@ -152,9 +161,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         if initial_state is not None:
             initial_state = initial_state.float()
-        with no_autocast, _on_tensors_device(q):
-            out, state = _chunked._run_normalized_validated(_mapped(feature, q, "q"), _mapped(feature, k, "k"), v,
-                                                            initial_state, eps)
+        with no_autocast:
+            phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
+            if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
+                out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
+            else:
+                with _on_tensors_device(q):
+                    out, state = _chunked._run_normalized_validated(phi_q, phi_k, v, initial_state, eps)
         return (out, state) if return_state else out
 
     compute_dtype = _compute_dtype(out_dtype, normalize)
