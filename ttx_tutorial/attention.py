@@ -13,9 +13,10 @@ entry) from dividing by zero.
 The normaliser costs no pass of its own. The chunked kernel computes it (method "chunked",
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
-store, and the backward kernel takes the denominator's gradient in the same walks. The other
-methods, and every method while ``torch.compile`` traces (its operator is the plain product),
-append a column of ones to v instead: the product then carries z_t as the last column of its
+store, and the backward kernel takes the denominator's gradient in the same walks. While
+``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
+normalised product, which runs the same kernels. The other methods append a column of ones
+to v instead: the product then carries z_t as the last column of its
 float32 state, and its last output column is phi(q_t)^T z_t. Either way the state of the
 normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in the last.
 

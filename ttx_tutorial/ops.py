@@ -15,6 +15,12 @@ and "recurrent" it runs the kernel file's backward on the saved inputs alone, as
 The scan method's backward needs states its forward computed, and an operator can only hand
 plain tensors from forward to backward, so for "scan" (or "auto" where it chooses scan) it
 re-runs the forward kernel under autograd first: one forward pass more than in eager mode.
+
+The normalised attention of ``causal_linear_attention`` ("chunked", or "auto") is a second pair,
+``ttx_tutorial::normalized_causal_product`` and its backward, on features (the feature map is
+applied before, in the graph). Its forward returns the (B, H, T) float32 denominator beside the
+output and the (B, H, D, E + 1) state, so that the backward, the chunked kernel file's, reads
+only saved tensors: no second forward, whichever method "auto" chose.
 """
 
 from __future__ import annotations
@@ -269,7 +275,7 @@ _normalized_causal_product_op.register_autograd(_normalized_backward, setup_cont
 
 #: ``torch.ops.ttx_tutorial.normalized_causal_product.default``: (q, k, v, initial_state or None,
 #: eps, method) -> (out, final_state, denominator) for features q, k (the feature map applied),
-#: method "chunked" or "auto": out_t = q_t^T S_t / (q_t^T z_t + eps), the state (B, H, D, E + 1)
+#: method "chunked" or "auto" (the other Triton methods run the product with a ones column): out_t = q_t^T S_t / (q_t^T z_t + eps), the state (B, H, D, E + 1)
 #: float32 with z last, and the (B, H, T) float32 denominator q_t^T z_t + eps (not differentiable)
 #: that the backward reads.
 normalized_causal_product_op = torch.ops.ttx_tutorial.normalized_causal_product.default
