@@ -79,6 +79,12 @@ def test_normalized_opcheck(method, with_initial_state):
     torch.library.opcheck(ops.normalized_causal_product_op, (q, k, v, s0, 1e-3, method))
 
 
+def test_normalized_operator_refuses_a_reference_method():
+    q, k, v = features(1, 1, 5, 8, 4)
+    with pytest.raises(ValueError, match="method must be a Triton method or 'auto'.*'quadratic'"):
+        ops.normalized_causal_product_op(q, k, v, None, 1e-6, "quadratic")
+
+
 def test_normalized_backward_opcheck():
     q, k, v, s0 = features(1, 2, 19, 16, 8, initial_state=True)
     o, _, denominator = ops.normalized_causal_product_op(q, k, v, s0, 1e-3, "chunked")

@@ -50,10 +50,16 @@ def _run(q, k, v, initial_state, method, cu_seqlens=None):
     if cu_seqlens is not None:
         _check_offsets_once(cu_seqlens, q.shape[2])
         packed = {"cu_seqlens": cu_seqlens}
-    if q.is_cuda and q.get_device() != torch.cuda.current_device():
-        with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
-            return info.function(q, k, v, initial_state, **packed)
-    return info.function(q, k, v, initial_state, **packed)
+    with _on_tensors_device(q):
+        return info.function(q, k, v, initial_state, **packed)
+
+
+def _on_tensors_device(x):
+    """Launch on the tensors' GPU, not the current one (is_cuda and get_device() are plain
+    attribute reads, where x.device builds an object per call)."""
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())
@@ -174,13 +180,6 @@ _causal_product_op.register_autograd(_backward, setup_context=_setup_context)
 causal_product_op = torch.ops.ttx_tutorial.causal_product.default
 
 
-def _on_tensors_device(x):
-    """Launch on the tensors' GPU, not the current one."""
-    if x.is_cuda and x.get_device() != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
-
-
 def _run_normalized(q, k, v, initial_state, eps, method):
     """(out, final_state (B, H, D, E + 1), d + eps (B, H, T) float32) of the normalised attention
     of features q, k, for "chunked" or "auto" (resolved here, at run time, as in :func:`_run`).
@@ -189,9 +188,11 @@ def _run_normalized(q, k, v, initial_state, eps, method):
     product runs on v with a column of ones appended, as ``causal_linear_attention`` does
     eagerly (float16 in float32: the denominator grows past float16's range), and its last
     column is the denominator."""
-    from .api import AUTO, choose_method  # api imports this module
+    from .api import AUTO, choose_method, method_info  # api imports this module
 
     chosen = choose_method(q, v) if method == AUTO else method
+    if not method_info(chosen).is_triton:
+        raise ValueError(f"method must be a Triton method or {AUTO!r} for the normalised operator, got {method!r}")
     if chosen == "chunked":
         with _on_tensors_device(q):
             return chunked._launch_normalized(*chunked._resolved(q, k, v, initial_state), eps, None)
@@ -242,7 +243,7 @@ def _normalized_causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, init
         B, H, _, D = q.shape
         ds0 = q.new_empty((B, H, D, v.shape[-1] + 1), dtype=torch.float32)
     else:
-        ds0 = _laid_out_like(found[3], initial_state)
+        ds0 = _laid_out_like(found[3].float(), initial_state.float())
     return dq, dk, dv, ds0
 
 
@@ -250,7 +251,7 @@ def _normalized_causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, init
 def _(q, k, v, initial_state, o, denominator, grad_o, grad_final_state):
     B, H, _, D = q.shape
     ds0 = (q.new_empty((B, H, D, v.shape[-1] + 1), dtype=torch.float32) if initial_state is None
-           else torch.empty_like(initial_state))
+           else torch.empty_like(initial_state, dtype=torch.float32))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds0
 
 
@@ -274,10 +275,10 @@ def _normalized_backward(ctx, grad_o, grad_final_state, _):
 _normalized_causal_product_op.register_autograd(_normalized_backward, setup_context=_normalized_setup_context)
 
 #: ``torch.ops.ttx_tutorial.normalized_causal_product.default``: (q, k, v, initial_state or None,
-#: eps, method) -> (out, final_state, denominator) for features q, k (the feature map applied),
-#: method "chunked" or "auto" (the other Triton methods run the product with a ones column): out_t = q_t^T S_t / (q_t^T z_t + eps), the state (B, H, D, E + 1)
-#: float32 with z last, and the (B, H, T) float32 denominator q_t^T z_t + eps (not differentiable)
-#: that the backward reads.
+#: eps, method) -> (out, final_state, denominator) for features q, k (the feature map applied):
+#: out_t = q_t^T S_t / (q_t^T z_t + eps), the state (B, H, D, E + 1) float32 with z last, and the
+#: (B, H, T) float32 denominator q_t^T z_t + eps (not differentiable) that the backward reads.
+#: method: "chunked" or "auto"; the other Triton methods run the product with a ones column.
 normalized_causal_product_op = torch.ops.ttx_tutorial.normalized_causal_product.default
 
 
