@@ -16,9 +16,9 @@ denominator comes from the chunk's masked scores and z, the division happens bef
 store, and the backward kernel takes the denominator's gradient in the same walks. While
 ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the same kernels. The other methods append a column of ones
-to v instead: the product then carries z_t as the last column of its
-float32 state, and its last output column is phi(q_t)^T z_t. Either way the state of the
-normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in the last.
+to v instead: the product then carries z_t as the last column of its float32 state, and its
+last output column is phi(q_t)^T z_t. Either way the state of the normalised attention is
+(B, H, D, E + 1) float32: S in the first E columns, z in the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long
