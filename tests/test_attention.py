@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked
+from test_ops import calls, capturing_backend
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
                                   relative_error)
 
@@ -442,6 +443,109 @@ def test_layer_errors():
         layer.step(torch.randn(2, 32), torch.zeros(2, 2, 16, 16))
 
 
+# Under torch.compile -------------------------------------------------------------------------
+
+NORMALIZED_OP = torch.ops.ttx_tutorial.normalized_causal_product.default
+NORMALIZED_BACKWARD_OP = torch.ops.ttx_tutorial.normalized_causal_product_backward.default
+
+
+def attention_model(q, k, v, s0, feature_map, method):
+    """Operators on both sides of the attention, its state continued and returned."""
+    out, state = ttx_tutorial.causal_linear_attention(2 * q, k, v, feature_map=feature_map, method=method,
+                                                      initial_state=s0, return_state=True)
+    return torch.tanh(out), state.square().sum()
+
+
+def attention_model64(q, k, v, s0, phi, chunk=1024):
+    """attention_model from float64 tensors on any device, (S, z) carried chunk by chunk (memory
+    O(chunk^2) for long sequences), autograd following it."""
+    state, outputs = s0, []
+    for start in range(0, q.shape[2], chunk):
+        part = slice(start, start + chunk)
+        out, state = attention64(2 * q[:, :, part], k[:, :, part], v[:, :, part], phi, True, 1e-6, state)
+        outputs.append(out)
+    return torch.tanh(torch.cat(outputs, dim=2)), state.square().sum()
+
+
+@pytest.mark.parametrize("method, feature", [("chunked", "elu"), ("chunked", "relu"), ("chunked", "callable"),
+                                             ("auto", "elu")])
+def test_compiled_attention_is_one_fused_operator_and_matches(method, feature):
+    """fullgraph=True (a graph break raises): outputs and the gradients of q, k, v and the initial
+    state equal eager and float64; the graph holds the normalised operator once, and no ones
+    column (no concatenation, no plain product)."""
+    name, phi, _ = FEATURE_MAPS[feature]
+    q, k, v = random_inputs(1, 2, 37, 16, 8, requires_grad=True)
+    s0 = state_after_prefix(1, 2, 16, 8, phi)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_model, fullgraph=True, backend=capturing_backend(graphs))
+    with poisoned_allocations():
+        outputs = compiled(q, k, v, s0, name, method)
+    grad_out = torch.randn_like(outputs[0])
+    leaves = (q, k, v, s0)
+    compiled_grads = torch.autograd.grad(outputs, leaves, (grad_out, torch.ones(())))
+    eager = attention_model(q, k, v, s0, name, method)
+    eager_grads = torch.autograd.grad(eager, leaves, (grad_out, torch.ones(())))
+    for label, a, b in zip(("out", "state", "dq", "dk", "dv", "ds0"), (*outputs, *compiled_grads),
+                           (*eager, *eager_grads)):
+        assert_close(a, b, torch.float32, f"compiled against eager: {label}")
+    leaves64 = [float64(x).requires_grad_() for x in leaves]
+    expected = attention_model64(*leaves64, phi)
+    expected_grads = torch.autograd.grad(expected, leaves64, (float64(grad_out), torch.ones((), dtype=torch.float64)))
+    for label, a, b in zip(("out", "state", "dq", "dk", "dv", "ds0"), (*outputs, *compiled_grads),
+                           (*expected, *expected_grads)):
+        assert_close(a, b, torch.float32, f"compiled against float64: {label}")
+    assert len(calls(graphs["forward"], NORMALIZED_OP)) == 1
+    assert len(calls(graphs["backward"], NORMALIZED_BACKWARD_OP)) == 1
+    for operator in (torch.ops.aten.cat.default, torch.ops.ttx_tutorial.causal_product.default):
+        assert not calls(graphs["forward"], operator), operator
+
+
+@pytest.mark.parametrize("backend", ["capturing aot_eager", "inductor"])
+def test_compiled_layer_matches_eager_and_float64(backend):
+    """The layer under torch.compile(fullgraph=True): output against eager and float64, the
+    gradients of x and every parameter against eager. Its state is not an output, so nothing
+    fills a gradient for it: the backward operator receives None (no zeros to write and read)."""
+    layer = make_layer("auto")
+    x = torch.randn(2, 29, 32, device=ttx_tutorial.DEVICE, requires_grad=True)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True,
+                             backend=capturing_backend(graphs) if backend.startswith("capturing") else backend)
+    y = compiled(x)
+    grad_y = torch.randn_like(y)
+    leaves = (x, *layer.parameters())
+    compiled_grads = torch.autograd.grad(y, leaves, grad_y)
+    y_eager = layer(x)
+    eager_grads = torch.autograd.grad(y_eager, leaves, grad_y)
+    assert_close(y, y_eager, torch.float32, "y against eager")
+    assert_close(y, reference_layer(layer, x), torch.float32, "y against float64")
+    for (name, _), a, b in zip([("x", x), *layer.named_parameters()], compiled_grads, eager_grads):
+        assert_close(a, b, torch.float32, f"d{name}")
+    if graphs:
+        (backward_call,) = calls(graphs["backward"], NORMALIZED_BACKWARD_OP)
+        assert backward_call.args[7] is None  # grad_final_state
+        assert not calls(graphs["backward"], torch.ops.aten.zeros.default)
+
+
+def test_compiled_attention_under_autocast_takes_autocast_dtype():
+    """float32 inputs under bfloat16 autocast: bfloat16 out, as in eager mode, through the operator."""
+    q, k, v = random_inputs(1, 2, 33, 16, 8)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: ttx_tutorial.causal_linear_attention(q, k, v, method="chunked"),
+                             fullgraph=True, backend=capturing_backend(graphs))
+    with torch.autocast(q.device.type, dtype=torch.bfloat16):
+        out = compiled(q, k, v)
+        eager = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    assert out.dtype == eager.dtype == torch.bfloat16
+    assert len(calls(graphs["forward"], NORMALIZED_OP)) == 1
+    assert_close(out, eager, torch.bfloat16, "against eager")
+    expected, _ = reference_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lambda x: F.elu(x) + 1,
+                                      True, 1e-6)
+    assert_close(out, expected, torch.bfloat16, "against float64")
+
+
 # On the GPU ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -494,6 +598,42 @@ def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype):
         tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[dtype]
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, shape", [("chunked", (2, 4, 300)), ("auto", (2, 4, 300)),
+                                           ("auto", (1, 2, 8192))], ids=["chunked", "auto", "auto chooses scan"])
+def test_gpu_compiled_attention_reduce_overhead_matches_eager(method, shape):
+    """CUDA graphs through torch.compile(mode="reduce-overhead") of the normalised attention
+    (its operator), the graph without a break: forward and backward replayed, the output equal
+    to eager, outputs and gradients against float64. Two heads of 8192 tokens leave the GPU
+    idle, and "auto" chooses scan (the operator's ones column, the chunked backward)."""
+    B, H, T = shape
+    if method == "auto":
+        probe = torch.empty(B, H, T, 64, device="cuda", dtype=torch.bfloat16)
+        assert ttx_tutorial.choose_method(probe, probe) == ("scan" if T == 8192 else "chunked")
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_model, fullgraph=True, mode="reduce-overhead")
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    for _ in range(3):  # warm-up, recording, then replays
+        q, k, v = random_inputs(B, H, T, 64, 64, dtype=torch.bfloat16, requires_grad=True)
+        s0 = state_after_prefix(B, H, 64, 64, phi)
+        leaves = (q, k, v, s0)
+        torch.compiler.cudagraph_mark_step_begin()
+        outputs = compiled(q, k, v, s0, "elu", method)
+        grad_out = torch.randn_like(outputs[0])
+        ones = torch.ones((), device="cuda")
+        compiled_grads = torch.autograd.grad(outputs, leaves, (grad_out, ones))
+        eager = attention_model(q, k, v, s0, "elu", method)
+        assert_close(outputs[0], eager[0], torch.bfloat16, "out against eager")
+        leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+        expected = attention_model64(*leaves64, phi)
+        expected_grads = torch.autograd.grad(expected, leaves64, (grad_out.double(), ones.double()))
+        names = ("out", "state sum", "dq", "dk", "dv", "ds0")
+        for name, a, b in zip(names, (*outputs, *compiled_grads), (*expected, *expected_grads)):
+            tolerance = NORMALISED_BF16_DQ_TOLERANCE if name == "dq" else TOLERANCES[torch.bfloat16]
+            error = relative_error(a, b)
+            assert error <= tolerance, f"{name} against float64: {error:.3e} > {tolerance:.0e}"
 
 
 @pytest.mark.gpu

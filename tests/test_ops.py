@@ -6,7 +6,7 @@ import torch
 import ttx_tutorial
 from ttx_tutorial import ops
 from ttx_tutorial.references import quadratic
-from ttx_tutorial.testing import assert_close, random_inputs, reference
+from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference, relative_error
 
 TRITON_METHODS = ("recurrent", "chunked", "scan")
 
@@ -40,6 +40,92 @@ def test_empty_sequence_returns_a_fresh_state():
     q, k, v, s0 = random_inputs(1, 2, 0, 16, 8, initial_state=True)
     o, state = ops.causal_product_op(q, k, v, s0, "chunked")
     assert o.shape == (1, 2, 0, 8) and torch.equal(state, s0) and state.data_ptr() != s0.data_ptr()
+
+
+# The normalised operator ----------------------------------------------------------------------
+
+def features(B, H, T, D, E, dtype=torch.float32, initial_state=False):
+    """Positive q, k (features, as the operator takes them), v, and (S_0, z_0) when asked, all
+    leaves requiring a gradient."""
+    q, k, v = random_inputs(B, H, T, D, E, dtype=dtype)
+    q, k = (torch.nn.functional.elu(x.float()).add(1).to(dtype) for x in (q, k))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    if initial_state:  # the state after earlier tokens: z_0 positive, as the sum of features is
+        s0 = torch.randn(B, H, D, E + 1, device=q.device)
+        s0[..., -1] = s0[..., -1].abs() * 5
+        leaves.append(s0.requires_grad_())
+    return leaves
+
+
+def normalized64(q, k, v, initial_state, eps):
+    """(out, final_state, denominator) from float64 tensors: the masked weights, no ones column."""
+    weights = (q @ k.transpose(-1, -2)).tril()
+    numerator, denominator = weights @ v, weights.sum(-1)
+    state = torch.cat([k.transpose(-1, -2) @ v, k.sum(2).unsqueeze(-1)], dim=-1)
+    if initial_state is not None:
+        numerator = numerator + q @ initial_state[..., :-1]
+        denominator = denominator + (q @ initial_state[..., -1:]).squeeze(-1)
+        state = state + initial_state
+    return numerator / (denominator + eps).unsqueeze(-1), state, denominator + eps
+
+
+@pytest.mark.parametrize("method, with_initial_state", [
+    ("chunked", True), ("chunked", False), ("auto", True), ("scan", True)])
+def test_normalized_opcheck(method, with_initial_state):
+    """As test_opcheck, for the normalised operator: "scan" takes its ones-column path (on a
+    GPU "auto" may choose it; in CPU mode "auto" is always chunked)."""
+    leaves = features(1, 2, 19, 16, 8, initial_state=with_initial_state)
+    q, k, v, s0 = leaves if with_initial_state else (*leaves, None)
+    torch.library.opcheck(ops.normalized_causal_product_op, (q, k, v, s0, 1e-3, method))
+
+
+def test_normalized_operator_refuses_a_reference_method():
+    q, k, v = features(1, 1, 5, 8, 4)
+    with pytest.raises(ValueError, match="method must be a Triton method or 'auto'.*'quadratic'"):
+        ops.normalized_causal_product_op(q, k, v, None, 1e-6, "quadratic")
+
+
+def test_normalized_backward_opcheck():
+    q, k, v, s0 = features(1, 2, 19, 16, 8, initial_state=True)
+    o, _, denominator = ops.normalized_causal_product_op(q, k, v, s0, 1e-3, "chunked")
+    grad_o, grad_state = torch.randn_like(o), torch.randn_like(s0)
+    # Detached: the backward operator is differentiable once, like the kernels' backward.
+    arguments = [x.detach() for x in (q, k, v, s0, o, denominator, grad_o, grad_state)]
+    torch.library.opcheck(ops._normalized_causal_product_backward_op, arguments)
+
+
+@pytest.mark.parametrize("method, dtype", [("chunked", torch.float32), ("chunked", torch.bfloat16),
+                                           ("scan", torch.float32), ("scan", torch.float16)])
+def test_normalized_operator_matches_float64_with_gradients(method, dtype):
+    """out, (S, z), the denominator and every gradient, outputs poisoned, against float64. The
+    backward is the chunked kernel file's whichever method ran the forward."""
+    q, k, v, s0 = features(2, 2, 23, 16, 8, dtype=dtype, initial_state=True)
+    eps = 0.5  # large enough to count: a denominator that left it out would miss by percents
+    with poisoned_allocations():
+        o, state, denominator = ops.normalized_causal_product_op(q, k, v, s0, eps, method)
+        grad_o, grad_state = torch.randn_like(o), torch.randn_like(state)
+        torch.autograd.backward((o, state), (grad_o, grad_state))
+    assert not denominator.requires_grad
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, s0)]
+    expected_o, expected_state, expected_denominator = normalized64(*leaves, eps)
+    assert o.dtype == dtype and state.dtype == denominator.dtype == torch.float32
+    assert_close(o, expected_o, dtype, "o")
+    assert_close(state, expected_state, torch.float32, "final (S, z)")
+    assert_close(denominator, expected_denominator, dtype, "denominator")
+    expected_grads = torch.autograd.grad((expected_o, expected_state), leaves,
+                                         (grad_o.double().cpu(), grad_state.double().cpu()))
+    for name, leaf, expected in zip(("q", "k", "v", "initial_state"), (q, k, v, s0), expected_grads):
+        # bfloat16's dq is a difference of nearly equal terms (tests/test_attention.py).
+        tolerance = 5e-2 if name == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
+        error = relative_error(leaf.grad, expected)
+        assert error <= tolerance, f"d{name}: {error:.3e} > {tolerance:.0e}"
+
+
+def test_normalized_operator_empty_sequence_returns_a_fresh_state():
+    q, k, v, s0 = features(1, 2, 0, 16, 8, initial_state=True)
+    o, state, denominator = ops.normalized_causal_product_op(q, k, v, s0, 1e-6, "chunked")
+    assert o.shape == (1, 2, 0, 8) and denominator.shape == (1, 2, 0)
+    assert torch.equal(state, s0) and state.data_ptr() != s0.data_ptr()
 
 
 def test_eager_calls_skip_the_operator(monkeypatch):
@@ -77,6 +163,24 @@ def compare_compiled(method, backend):
         assert_close(a, b, torch.float32, name)
 
 
+def capturing_backend(graphs):
+    """torch.compile's aot_eager with the forward and backward graphs kept in ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(name):
+        def compiler(graph_module, example_inputs):
+            graphs[name] = graph_module.graph
+            return make_boxed_func(graph_module.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def calls(graph, operator):
+    return [node for node in graph.nodes if node.op == "call_function" and node.target == operator]
+
+
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_compile_fullgraph_matches_eager(method):
     """aot_eager: the graph and its backward as torch.compile builds them, without code generation."""
@@ -88,18 +192,18 @@ def test_compile_fullgraph_inductor_matches_eager():
     compare_compiled("auto", "inductor")
 
 
-def test_compiled_layer_matches_eager():
-    torch.manual_seed(0)
-    layer = ttx_tutorial.CausalLinearAttention(32, 2, method="chunked").to(ttx_tutorial.DEVICE)
-    x = torch.randn(2, 19, 32, device=ttx_tutorial.DEVICE, requires_grad=True)
+def test_compiled_backward_gets_no_gradient_for_an_unused_state():
+    """return_state=False: the state is no output of the graph, so the compiled backward passes
+    None for its gradient (no zeros written and read by the backward kernel)."""
+    q, k, v = random_inputs(1, 2, 21, 16, 8, requires_grad=True)
+    graphs = {}
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    y = compiled(x)
-    (dx,) = torch.autograd.grad(y.square().sum(), x)
-    y_eager = layer(x)
-    (dx_eager,) = torch.autograd.grad(y_eager.square().sum(), x)
-    assert_close(y, y_eager, torch.float32, "y")
-    assert_close(dx, dx_eager, torch.float32, "dx")
+    compiled = torch.compile(lambda q, k, v: ttx_tutorial.causal_product(q, k, v, "chunked").square().sum(),
+                             fullgraph=True, backend=capturing_backend(graphs))
+    torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    (backward_call,) = calls(graphs["backward"], torch.ops.ttx_tutorial.causal_product_backward.default)
+    assert backward_call.args[5] is None  # grad_final_state
+    assert not calls(graphs["backward"], torch.ops.aten.zeros.default)
 
 
 @pytest.mark.parametrize("method", ["chunked", "quadratic"])

@@ -13,11 +13,12 @@ entry) from dividing by zero.
 The normaliser costs no pass of its own. The chunked kernel computes it (method "chunked",
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
-store, and the backward kernel takes the denominator's gradient in the same walks. The other
-methods, and every method while ``torch.compile`` traces (its operator is the plain product),
-append a column of ones to v instead: the product then carries z_t as the last column of its
-float32 state, and its last output column is phi(q_t)^T z_t. Either way the state of the
-normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in the last.
+store, and the backward kernel takes the denominator's gradient in the same walks. While
+``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
+normalised product, which runs the same kernels. The other methods append a column of ones
+to v instead: the product then carries z_t as the last column of its float32 state, and its
+last output column is phi(q_t)^T z_t. Either way the state of the normalised attention is
+(B, H, D, E + 1) float32: S in the first E columns, z in the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long
@@ -37,6 +38,7 @@ from torch import nn
 
 from . import ops
 from ._device import DEVICE
+from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
 from .api import AUTO, causal_product, choose_method
 from .kernels import chunked as _chunked
 from .kernels import step as _step
@@ -79,10 +81,18 @@ def _compute_dtype(dtype, normalize):
 
 def _kernel_normalizes(method, q, k, v, initial_state):
     """Whether the chunked kernel computes the normaliser: method "chunked", or "auto" where it
-    picks chunked; never while torch.compile traces. Checks the inputs (as the kernel file does,
-    with the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
-    if method not in ("chunked", AUTO) or torch.compiler.is_compiling():
+    picks chunked (while torch.compile traces, "auto" always: its operator chooses at run time).
+    Checks the inputs (as the kernel file does, with the normalised state's (B, H, D, E + 1)
+    layout) before "auto" looks at them."""
+    if method not in ("chunked", AUTO):
         return False
+    if torch.compiler.is_compiling():
+        # The API's checks, which the compiler can trace (the kernel file asks Triton's settings
+        # for the device). The state's last column, z, was checked by the caller: the rest is S's.
+        check_inputs(q, k, v, None if initial_state is None else initial_state[..., :-1], method=method,
+                     dtypes=KERNEL_DTYPES, max_head_dim=_chunked.MAX_HEAD_DIM, expected_device=DEVICE.type,
+                     index_limit=KERNEL_INDEX_LIMIT)
+        return True
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
     return method == "chunked" or choose_method(q, v) == "chunked"
 
@@ -152,9 +162,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         if initial_state is not None:
             initial_state = initial_state.float()
-        with no_autocast, _on_tensors_device(q):
-            out, state = _chunked._run_normalized_validated(_mapped(feature, q, "q"), _mapped(feature, k, "k"), v,
-                                                            initial_state, eps)
+        with no_autocast:
+            phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
+            if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
+                out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
+            else:
+                with _on_tensors_device(q):
+                    out, state = _chunked._run_normalized_validated(phi_q, phi_k, v, initial_state, eps)
         return (out, state) if return_state else out
 
     compute_dtype = _compute_dtype(out_dtype, normalize)

@@ -15,10 +15,17 @@ and "recurrent" it runs the kernel file's backward on the saved inputs alone, as
 The scan method's backward needs states its forward computed, and an operator can only hand
 plain tensors from forward to backward, so for "scan" (or "auto" where it chooses scan) it
 re-runs the forward kernel under autograd first: one forward pass more than in eager mode.
+
+The normalised attention of ``causal_linear_attention`` ("chunked", or "auto") is a second pair,
+``ttx_tutorial::normalized_causal_product`` and its backward, on features (the feature map is
+applied before, in the graph). Its forward returns the (B, H, T) float32 denominator beside the
+output and the (B, H, D, E + 1) state, so that the backward, the chunked kernel file's, reads
+only saved tensors: no second forward, whichever method "auto" chose.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -43,10 +50,16 @@ def _run(q, k, v, initial_state, method, cu_seqlens=None):
     if cu_seqlens is not None:
         _check_offsets_once(cu_seqlens, q.shape[2])
         packed = {"cu_seqlens": cu_seqlens}
-    if q.is_cuda and q.get_device() != torch.cuda.current_device():
-        with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
-            return info.function(q, k, v, initial_state, **packed)
-    return info.function(q, k, v, initial_state, **packed)
+    with _on_tensors_device(q):
+        return info.function(q, k, v, initial_state, **packed)
+
+
+def _on_tensors_device(x):
+    """Launch on the tensors' GPU, not the current one (is_cuda and get_device() are plain
+    attribute reads, where x.device builds an object per call)."""
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())
@@ -165,6 +178,108 @@ _causal_product_op.register_autograd(_backward, setup_context=_setup_context)
 #: (q, k, v, initial_state or None, method, cu_seqlens or None) -> (o, final_state), for a Triton
 #: method or "auto"; with cu_seqlens the states are one per packed sequence, (N, H, D, E).
 causal_product_op = torch.ops.ttx_tutorial.causal_product.default
+
+
+def _run_normalized(q, k, v, initial_state, eps, method):
+    """(out, final_state (B, H, D, E + 1), d + eps (B, H, T) float32) of the normalised attention
+    of features q, k, for "chunked" or "auto" (resolved here, at run time, as in :func:`_run`).
+
+    The chunked kernel computes the normaliser in its pass. Where "auto" chooses scan, the
+    product runs on v with a column of ones appended, as ``causal_linear_attention`` does
+    eagerly (float16 in float32: the denominator grows past float16's range), and its last
+    column is the denominator."""
+    from .api import AUTO, choose_method, method_info  # api imports this module
+
+    chosen = choose_method(q, v) if method == AUTO else method
+    if not method_info(chosen).is_triton:
+        raise ValueError(f"method must be a Triton method or {AUTO!r} for the normalised operator, got {method!r}")
+    if chosen == "chunked":
+        with _on_tensors_device(q):
+            return chunked._launch_normalized(*chunked._resolved(q, k, v, initial_state), eps, None)
+    compute_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    q_c, k_c, v_c = (x.to(compute_dtype) for x in (q, k, v))
+    with_ones = torch.cat([v_c, v_c.new_ones((*v.shape[:-1], 1))], dim=-1)
+    o, final_state = _run(q_c, k_c, with_ones, initial_state, chosen)
+    denominator = o[..., -1].float() + eps
+    return (o[..., :-1] / (o[..., -1:] + eps)).to(v.dtype), final_state, denominator.contiguous()
+
+
+@torch.library.custom_op("ttx_tutorial::normalized_causal_product", mutates_args=())
+def _normalized_causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor], eps: float,
+                                  method: str) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():  # autograd is the operator's own (register_autograd below)
+        return _run_normalized(q, k, v, initial_state, eps, method)
+
+
+@_normalized_causal_product_op.register_fake
+def _(q, k, v, initial_state, eps, method):
+    B, H, T, D = q.shape
+    E = v.shape[-1]
+    return (q.new_empty((B, H, T, E), dtype=v.dtype), q.new_empty((B, H, D, E + 1), dtype=torch.float32),
+            q.new_empty((B, H, T), dtype=torch.float32))
+
+
+class _SavedNormalizedInputs:
+    """The ctx ``_ChunkedNormalizedAttention.backward`` reads, for calling it outside autograd."""
+
+    def __init__(self, q, k, v, initial_state, o, denominator):
+        self.saved_tensors = (q, k, v, initial_state, o, denominator)
+        self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
+        self.config = None
+
+
+@torch.library.custom_op("ttx_tutorial::normalized_causal_product_backward", mutates_args=())
+def _normalized_causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
+                                           o: Tensor, denominator: Tensor, grad_o: Tensor,
+                                           grad_final_state: Optional[Tensor],
+                                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # The chunked kernel file's backward reads only the inputs, the output and the denominator,
+    # whichever method computed them: no second forward.
+    with _on_tensors_device(q):
+        found = chunked._ChunkedNormalizedAttention.backward(
+            _SavedNormalizedInputs(q, k, v, initial_state, o, denominator), grad_o, grad_final_state)
+    dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
+    if initial_state is None:  # nothing to differentiate; the schema still returns a tensor, never read
+        B, H, _, D = q.shape
+        ds0 = q.new_empty((B, H, D, v.shape[-1] + 1), dtype=torch.float32)
+    else:
+        ds0 = _laid_out_like(found[3].float(), initial_state.float())
+    return dq, dk, dv, ds0
+
+
+@_normalized_causal_product_backward_op.register_fake
+def _(q, k, v, initial_state, o, denominator, grad_o, grad_final_state):
+    B, H, _, D = q.shape
+    ds0 = (q.new_empty((B, H, D, v.shape[-1] + 1), dtype=torch.float32) if initial_state is None
+           else torch.empty_like(initial_state, dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds0
+
+
+def _normalized_setup_context(ctx, inputs, output):
+    q, k, v, initial_state, _, _ = inputs
+    o, _, denominator = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(denominator)  # saved for the backward, not a result to differentiate
+    ctx.save_for_backward(q, k, v, initial_state, o, denominator)
+
+
+def _normalized_backward(ctx, grad_o, grad_final_state, _):
+    q, k, v, initial_state, o, denominator = ctx.saved_tensors
+    if grad_o is None:  # only the final state was used
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv, ds0 = _normalized_causal_product_backward_op(q, k, v, initial_state, o, denominator, grad_o,
+                                                             grad_final_state)
+    return dq, dk, dv, (ds0 if initial_state is not None else None), None, None
+
+
+_normalized_causal_product_op.register_autograd(_normalized_backward, setup_context=_normalized_setup_context)
+
+#: ``torch.ops.ttx_tutorial.normalized_causal_product.default``: (q, k, v, initial_state or None,
+#: eps, method) -> (out, final_state, denominator) for features q, k (the feature map applied):
+#: out_t = q_t^T S_t / (q_t^T z_t + eps), the state (B, H, D, E + 1) float32 with z last, and the
+#: (B, H, T) float32 denominator q_t^T z_t + eps (not differentiable) that the backward reads.
+#: method: "chunked" or "auto"; the other Triton methods run the product with a ones column.
+normalized_causal_product_op = torch.ops.ttx_tutorial.normalized_causal_product.default
 
 
 def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
