@@ -29,18 +29,16 @@ offsets): q, k, v, o hold N sequences along T of a batch of one, program row b w
 tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and the states are
 (N, H, D, E); the Kahan carry then follows the total length.
 Precision: products accumulate in float32. float32 inputs follow
-``torch.get_float32_matmul_precision()``, read at each call: "highest" (PyTorch's default)
-multiplies with 3xTF32 (``input_precision="tf32x3"``: each operand split into a TF32 part and
-its remainder, three tensor-core products, about float32's accuracy), "high" and "medium" with
-one TF32 product (about 1e-3 relative error, as PyTorch's own TF32 matmuls). bfloat16 rounds the
-float32 state and scores to bfloat16 (same exponent range); float16 keeps them in float32 (TF32
-products, exact for float16 inputs), since a long sequence of positive features takes the state
-past float16's 65504.
-Tensor cores accumulate with truncation, a bias that grows with every addition into the state:
-under 3xTF32 (three products a chunk) each chunk's state product is added in rounded float32
-instead, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
+``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
+about float32's accuracy) for "highest", the default; one TF32 product (about 1e-3) for "high"
+and "medium". bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16
+keeps them in float32 (TF32 products, exact for float16 inputs): long sequences of positive
+features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each chunk's state
+product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
+adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled with 3.9 only, not yet run on a GPU).
+and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN`` and float32 on tensor cores,
+"tf32x3" and "tf32": compiled with 3.9 only, not yet run on a GPU).
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit

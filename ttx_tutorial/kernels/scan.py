@@ -36,7 +36,8 @@ about float32's accuracy) for "highest", the default, TF32 for "high" and "mediu
 tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6.
+and 3.9; GPU runs with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and float32 on tensor
+cores, "tf32x3" and "tf32": compiled with 3.9 only, not yet run on a GPU).
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
 Triton 3.9). A non-finite v reaches the earlier outputs of its chunk (masked zeros
