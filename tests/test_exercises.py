@@ -224,14 +224,22 @@ def test_grade_reports_each_submission_and_touches_nothing(tmp_path):
     rows = grading.grade([submitted], time_limit_s=20)
 
     assert _tree_digest(tmp_path) == before, "the grader's files and the submissions are untouched"
-    table = {(row.student_file, row.passed): row for row in rows}
-    assert [row.student_file for row in rows] == ["ana_solved.ipynb", "ben_blank.ipynb", "cem_wrong.py",
-                                                  "dia_endless.py", "eli_misbehaves.py"]
-    assert table["ana_solved.ipynb", True].exercise == "feature map"
-    assert "still has the blank" in table["ben_blank.ipynb", False].diagnosis
-    assert "outside the output" in table["cem_wrong.py", False].diagnosis
-    assert "time limit" in table["dia_endless.py", False].diagnosis
-    assert "output passed the limit" in table["eli_misbehaves.py", False].diagnosis
+    # A submission can add a second row (its run also stopped badly, e.g. past the CPU-time
+    # limit on a loaded machine); each must have the row that says what is wrong with it.
+    by_file = {}
+    for row in rows:
+        by_file.setdefault(row.student_file, []).append(row)
+    assert list(by_file) == ["ana_solved.ipynb", "ben_blank.ipynb", "cem_wrong.py", "dia_endless.py",
+                             "eli_misbehaves.py"]
+
+    def failed_with(name, words):
+        return any(not row.passed and words in row.diagnosis for row in by_file[name])
+
+    assert [(row.exercise, row.passed) for row in by_file["ana_solved.ipynb"]] == [("feature map", True)]
+    assert failed_with("ben_blank.ipynb", "still has the blank")
+    assert failed_with("cem_wrong.py", "outside the output")
+    assert failed_with("dia_endless.py", "time limit")
+    assert failed_with("eli_misbehaves.py", "output passed the limit")
     text = grading.format_table(rows)
     assert text.splitlines()[0].split() == ["student", "file", "exercise", "result", "diagnosis"]
     csv_lines = grading.format_csv(rows).splitlines()

@@ -219,7 +219,7 @@ def test_emulated_3xtf32_needs_the_state_added_in_rounded_float32():
     truncating additions a chunk bias the state past float32's tolerance; added in rounded
     float32, the error stays far below it. TF32 alone errs near 1e-3."""
     T, D, chunk = 2048, 64, 64
-    q, k, v = random_inputs(1, 1, T, D, seed=21)
+    q, k, v = random_inputs(1, 1, T, D, seed=21, device="cpu")  # an emulation: CPU arithmetic
     q, k, v = q[0, 0], k[0, 0], v[0, 0]
     expected = (q.double() @ k.double().T).tril() @ v.double()
     errors = {(precision, rounded): relative_error(_emulated_chunked(q, k, v, chunk, precision, rounded), expected)

@@ -37,8 +37,8 @@ features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each 
 product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
 adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN`` and float32 on tensor cores,
-"tf32x3" and "tf32": compiled with 3.9 only, not yet run on a GPU).
+and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN`` and float32
+"tf32x3" and "tf32" included).
 Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
 NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit

@@ -36,11 +36,11 @@ about float32's accuracy) for "highest", the default, TF32 for "high" and "mediu
 tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; GPU runs with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and float32 on tensor
-cores, "tf32x3" and "tf32": compiled with 3.9 only, not yet run on a GPU).
+and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and
+float32 "tf32x3" and "tf32" included).
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
-Triton 3.9). A non-finite v reaches the earlier outputs of its chunk (masked zeros
+Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there. A non-finite v reaches the earlier outputs of its chunk (masked zeros
 times inf is NaN), a non-finite k the earlier q-gradients: zero padding first. A config that
 needs more shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16
 bit patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the
@@ -550,6 +550,13 @@ def float32_precision():
     return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
 
 
+#: Triton 3.6 compiles pass 3 with 3xTF32 products on 8 warps and a 16 x 16 state so that it
+#: reads shared memory out of bounds on an H200 (compute-sanitizer, D = E = 8): a state tile
+#: with neither side this wide takes 4 warps, and a config asking for more is refused. (32 x 16,
+#: 16 x 64 and 64 x 16 tiles ran right on 8 warps.)
+_TF32X3_8_WARPS_MIN_BLOCK = 32
+
+
 def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
@@ -563,7 +570,8 @@ def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
         backward swaps them and must cut the forward's segments into the same chunks).
     float32: tensor-core tiles twice the size of float16's at the same counts (chunks of 64 up
         to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 8 warps for 3xTF32, whose
-        operands are held as a TF32 part and a remainder, 4 for TF32.
+        operands are held as a TF32 part and a remainder, 4 for TF32 and for 3xTF32 state tiles
+        of 16 x 16 (``_TF32X3_8_WARPS_MIN_BLOCK``).
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
@@ -575,6 +583,8 @@ def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
     else:
         chunk, state_entries, warps = 64, 8192, 4
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
+    if max(block_d, block_e) < _TF32X3_8_WARPS_MIN_BLOCK:
+        warps = min(warps, 4)
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
 
 
@@ -616,6 +626,11 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
+    if (precision == "tf32x3" and resolved["num_warps"] > 4
+            and max(_block(D), resolved["BLOCK_E"]) < _TF32X3_8_WARPS_MIN_BLOCK):
+        raise ValueError(f"config num_warps must be at most 4 for float32 products at full precision "
+                         f"when neither side of the state tile reaches {_TF32X3_8_WARPS_MIN_BLOCK} "
+                         f"(BLOCK_D={_block(D)}, BLOCK_E={resolved['BLOCK_E']}), got {resolved['num_warps']}")
     resolved["SEGMENT_LEN"] = length
     resolved["FLOAT32_PRECISION"] = precision
     return resolved

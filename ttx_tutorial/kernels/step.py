@@ -25,7 +25,8 @@ gradient for; training runs the whole sequence through a causal product). The co
 ``<family>_causal_product``, ``_run_validated``, autograd Function and ``config`` do not apply,
 and the file asks the driver nothing.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.9
-(``tests/test_compile_targets.py``); not yet run on a GPU.
+(``tests/test_compile_targets.py``); the test suite on an H200 with Triton 3.6 (threads racing on
+one state, CUDA-graph replay).
 Caveats: the host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
 full checks run once per signature of the arguments, and only what can change between calls of
 one signature (the state's contiguity, autograd) every time; capture the step in a CUDA graph to
