@@ -83,6 +83,64 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, b_state, tokens, reverse, offs_d, offs_e, mask_d, mask_e,
+                            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
+                            INTERPRETED: tl.constexpr):
+    """Rewrites o for the segment's tokens from its start state, one token at a time in walk order,
+    in float32: S <- S + k_t v_t^T, o_t = q_t S. No product multiplies a token that o_t must not
+    see, so an inf or NaN reaches exactly the outputs it reaches in the recurrence. Vectors and
+    the state only: fewer registers than a chunk."""
+    for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = tl.where(reverse != 0, tokens - 1 - i, i)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_state += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_q[:, None] * b_state, 0)
+        tl.store(o_ptr + t * stride_ot + offs_e * stride_oe, _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
+
+
+@triton.jit
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, b_p, tokens, offs_d, offs_e, mask_d, mask_e,
+                                    stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_dqt, stride_dqd, INTERPRETED: tl.constexpr):
+    """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
+    at a time: P <- P + k_t v_t^T, dq_t = P dO_t, in float32; causal by construction."""
+    for t in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_p += b_k[:, None] * b_v[None, :]
+        b_dq = tl.sum(b_p * b_do[None, :], 1)
+        tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+
+
+@triton.jit
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, b_r, tokens,
+                                        offs_d, offs_e, mask_d, mask_e,
+                                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
+                                        stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
+                                        INTERPRETED: tl.constexpr):
+    """Rewrites dk and dv for the segment's tokens, last first, from its suffix state R, one token
+    at a time: R <- R + q_t dO_t^T, dk_t = R v_t, dv_t = R^T k_t, in float32; causal by construction."""
+    for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = tokens - 1 - i
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+        b_r += b_q[:, None] * b_do[None, :]
+        b_dk = tl.sum(b_r * b_v[None, :], 1)
+        b_dv = tl.sum(b_r * b_k[:, None], 0)
+        tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+        tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve, _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
+
+
+@triton.jit
 def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
     initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
@@ -263,6 +321,10 @@ def scan_outputs_kernel(
     b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                       mask=mask_de, other=0.0)
 
+    # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
+    # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
+    # a program that saw one redoes its segment one token at a time after the loop.
+    b_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(0, n_chunks):
         chunk_start = tl.where(reverse != 0, n_chunks - 1 - i, i) * CHUNK
         offs_t = chunk_start + offs_c
@@ -283,6 +345,7 @@ def scan_outputs_kernel(
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        b_seen += tl.sum(b_o * 0.0, 1)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
@@ -290,6 +353,13 @@ def scan_outputs_kernel(
     if ends_walk:  # the last walked segment (of its sequence) ends on S_T
         final_state_ptr += final_row.to(tl.int64) * D * E
         tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
+
+    if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the segment's outputs causally
+        b_start = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                          mask=mask_de, other=0.0)
+        _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, b_start, tokens, reverse, offs_d, offs_e, mask_d, mask_e,
+                                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
+                                INTERPRETED)
 
 
 @triton.jit
@@ -362,6 +432,10 @@ def scan_backward_kernel(
     dq_ptr += b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
     dk_ptr += b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
     dv_ptr += b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
+    # As in scan_outputs_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose
+    # tiles held an inf or NaN is redone one token at a time after the loops.
+    b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
 
     if compute_dq:
         forward_start_ptr += b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
@@ -387,6 +461,7 @@ def scan_backward_kernel(
             b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
             b_p = tl.dot(b_vt, b_k.to(DOT_DTYPE), acc=b_p, input_precision=FLOAT32_PRECISION)
+            b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
 
@@ -416,6 +491,7 @@ def scan_backward_kernel(
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                       b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
+        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
@@ -424,6 +500,21 @@ def scan_backward_kernel(
     if starts_sequence:  # the reverse walk ends on dS_0
         ds0_ptr += ds0_row.to(tl.int64) * D * E
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+
+    if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo the segment's dq causally
+        b_start = tl.load(forward_start_ptr + offs_d[:, None] * stride_fd + offs_e[None, :] * stride_fe,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
+        _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, b_start, tokens, offs_d, offs_e, mask_d, mask_e,
+                                        stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                        stride_dqt, stride_dqd, INTERPRETED)
+    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in some dK_c or dV_c: redo both causally
+        b_start = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+        _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, b_start, tokens,
+                                            offs_d, offs_e, mask_d, mask_e,
+                                            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
+                                            stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
+                                            INTERPRETED)
 
 
 @triton.jit
