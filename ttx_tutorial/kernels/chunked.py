@@ -431,6 +431,9 @@ def chunked_backward_kernel(
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
+    # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
+    q_arg, k_arg, v_arg, do_arg, o_arg, denominator_arg = q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, denominator_ptr
+    dq_arg, dk_arg, dv_arg, initial_state_arg, g_arg = dq_ptr, dk_ptr, dv_ptr, initial_state_ptr, g_ptr
     # Two walks over the chunks.
     # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
     # L the lower triangle (s <= t),
@@ -484,9 +487,6 @@ def chunked_backward_kernel(
     denominator_ptr += (b * H + h) * T
     # As in chunked_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose tiles
     # held an inf or NaN is redone one token at a time after the loops.
-    b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
-
     if compute_dq:
         b_p = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -498,6 +498,7 @@ def chunked_backward_kernel(
                 b_z = tl.load(initial_state_ptr + offs_d * stride_s0d + E * stride_s0e, mask=mask_d, other=0.0)
         # Row t (token t) receives from column s (token s) when s <= t.
         lower = offs_c[:, None] >= offs_c[None, :]
+        b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
         b_p_carry = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
             offs_t = i * CHUNK + offs_c
@@ -534,6 +535,18 @@ def chunked_backward_kernel(
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+        if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo dq causally, from S_0 and z_0
+            row = tl.program_id(0).to(tl.int64)
+            batch, h_dq, first, T_dq = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+            _query_gradients_token_by_token(
+                do_arg + batch * stride_dob + h_dq * stride_doh + first * stride_dot,
+                v_arg + batch * stride_vb + h_dq * stride_vh + first * stride_vt,
+                k_arg + batch * stride_kb + h_dq * stride_kh + first * stride_kt,
+                dq_arg + batch * stride_dqb + h_dq * stride_dqh + first * stride_dqt,
+                o_arg + batch * stride_ob + h_dq * stride_oh, denominator_arg + row * T_dq,
+                initial_state_arg + (row // H) * stride_s0b + h_dq * stride_s0h, has_initial_state,
+                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
+                stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -545,6 +558,8 @@ def chunked_backward_kernel(
             b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
+    b_dk_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
@@ -586,7 +601,8 @@ def chunked_backward_kernel(
             b_dk += b_dz[None, :]
             b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
-        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
+        b_dk_seen += tl.sum(b_dk * 0.0, 1)
+        b_dv_seen += tl.sum(b_dv * 0.0, 1)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -599,18 +615,20 @@ def chunked_backward_kernel(
     if NORMALIZE:
         tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
-    if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo dq causally, from S_0 and z_0
-        _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denominator_ptr, initial_state_ptr,
-                                        has_initial_state, T, D, E, stride_dot, stride_doe, stride_vt, stride_ve,
-                                        stride_kt, stride_kd, stride_dqt, stride_dqd, stride_ot, stride_oe,
-                                        stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
-    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in some dK_c or dV_c: redo both causally, from G
-        _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, o_ptr, denominator_ptr,
-                                            g_ptr, has_final_grad, T, D, E,
-                                            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
-                                            stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
-                                            stride_ot, stride_oe, stride_gd, stride_ge,
-                                            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in some dK_c or dV_c: redo both causally, from G
+        row = tl.program_id(0).to(tl.int64)
+        batch, h, first, T = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        _key_value_gradients_token_by_token(
+            q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
+            k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
+            v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
+            do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
+            dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
+            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt, o_arg + batch * stride_ob + h * stride_oh,
+            denominator_arg + row * T, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, T, D, E,
+            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
+            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
