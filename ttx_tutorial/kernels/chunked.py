@@ -615,7 +615,7 @@ def chunked_backward_kernel(
     if NORMALIZE:
         tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
-    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in some dK_c or dV_c: redo both causally, from G
+    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
         row = tl.program_id(0).to(tl.int64)
         batch, h, first, T = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
         _key_value_gradients_token_by_token(
@@ -624,7 +624,8 @@ def chunked_backward_kernel(
             v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
             do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
             dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
-            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt, o_arg + batch * stride_ob + h * stride_oh,
+            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
+            o_arg + batch * stride_ob + h * stride_oh,
             denominator_arg + row * T, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, T, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
             stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
