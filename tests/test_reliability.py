@@ -188,6 +188,41 @@ def test_non_finite_values_reach_exactly_the_references_positions_at_gpu_sizes(m
         assert_same_non_finite_positions(method, q, k, v, grad_o, dtype)
 
 
+def normalized_with_gradients(q, k, v, grad_o, *, reference):
+    """(out, S_T, dq, dk, dv) of chunked's normalised attention (eps 1e-6), or of its float64
+    reference: ``cumsum`` on v with a column of ones appended, whose last output column is the
+    denominator q_t . z_t."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with testing.poisoned_allocations():
+        if reference:
+            ones = torch.ones_like(leaves[2][..., :1])
+            extended, state = references.cumsum(leaves[0], leaves[1], torch.cat([leaves[2], ones], -1))
+            out = extended[..., :-1] / (extended[..., -1:] + 1e-6)
+        else:
+            out, state = chunked.chunked_normalized_attention(*leaves, eps=1e-6)
+        out.backward(grad_o.to(out.device, out.dtype))
+    return out.detach(), state.detach(), *(x.grad for x in leaves)
+
+
+# bfloat16 takes the fused normalised backward, float32 the passes on g.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("argument, garbage", [("q", math.inf), ("k", math.nan), ("v", math.inf), ("do", math.nan)],
+                         ids=["q-inf", "k-nan", "v-inf", "do-nan"])
+def test_normalized_attention_keeps_non_finite_values_causal(argument, garbage, dtype, device):
+    q, k, v, grad_o = with_garbage(1, 2, 70, 16, 16, dtype, device, argument, garbage, 60, seed=6)
+    q, k = q.abs(), k.abs()  # positive features: denominators far from 0
+    found = normalized_with_gradients(q, k, v, grad_o, reference=False)
+    expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)), reference=True)
+    for name, out, ref in zip(("out", "S_T", "dq", "dk", "dv"), found, expected):
+        out = out.cpu().double()
+        assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), (
+            f"{name}: non-finite at {(~torch.isfinite(out) & torch.isfinite(ref)).nonzero()[:5].tolist()} where "
+            f"the reference is finite, finite at {(torch.isfinite(out) & ~torch.isfinite(ref)).nonzero()[:5].tolist()}")
+        finite = torch.isfinite(ref)
+        assert finite.any(), f"{name}: nothing finite left to compare"
+        testing.assert_close(out[finite], ref[finite], dtype, f"normalised {name} where finite")
+
+
 @pytest.mark.parametrize("method", (*ttx_tutorial.METHODS, "auto"))
 def test_non_finite_q_stays_in_its_own_output(method, device):
     q, k, v = padded(device, "q", math.nan)

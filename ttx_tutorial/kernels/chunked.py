@@ -41,8 +41,15 @@ under 3xTF32 (three products a chunk) each chunk's state product is added in rou
 instead, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; GPU runs with Triton 3.6 (``NORMALIZE``: compiled with 3.9 only, not yet run on a GPU).
-Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
-NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
+Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
+the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
+Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
+one redoes its tokens one at a time after the loop (``_outputs_token_by_token`` and the two
+gradient walks: the recurrence, causal by construction) and overwrites what it stored. The walks
+take their offsets afresh from the arguments and do not unroll: values kept live through a
+chunk loop cost that loop registers.
+Caveats: a program with an inf or NaN in its inputs walks its tokens serially (a slow call,
+not a wrong one). A config that needs more
 shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
 patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the kernels
 round by hand (``_rounded``) and widen every product operand to float32.

@@ -39,8 +39,11 @@ Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 
 and 3.9; GPU runs with Triton 3.6.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
-Triton 3.9). A non-finite v reaches the earlier outputs of its chunk (masked zeros
-times inf is NaN), a non-finite k the earlier q-gradients: zero padding first. A config that
+Triton 3.9). Non-finite values: a chunk product multiplies its masked zeros by every row of v
+(k, dO, q in the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and
+a program that saw an inf or NaN redoes its segment one token at a time after the loop (the
+recurrence, causal by construction), overwriting what it stored: a slow call, not a wrong one.
+A config that
 needs more shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16
 bit patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the
 kernels round by hand (``_rounded``) and widen every product operand to float32.
