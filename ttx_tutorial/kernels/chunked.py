@@ -393,13 +393,13 @@ def chunked_kernel(
         e_blocks = (E + BLOCK_E - 1) // BLOCK_E
         row = tl.program_id(0).to(tl.int64) // e_blocks
         first_column = (tl.program_id(0).to(tl.int64) - row * e_blocks) * BLOCK_E
-        batch, h, first, T = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
         _outputs_token_by_token(q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
                                 k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
                                 v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
                                 o_arg + batch * stride_ob + h * stride_oh + first * stride_ot,
                                 initial_state_arg + (row // H) * stride_s0b + h * stride_s0h, has_initial_state,
-                                T, D, E, first_column, reverse, eps, stride_qt, stride_qd, stride_kt, stride_kd,
+                                tokens, D, E, first_column, reverse, eps, stride_qt, stride_qd, stride_kt, stride_kd,
                                 stride_vt, stride_ve, stride_ot, stride_oe, stride_s0d, stride_s0e,
                                 BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
@@ -624,7 +624,7 @@ def chunked_backward_kernel(
 
     if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
         row = tl.program_id(0).to(tl.int64)
-        batch, h, first, T = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
         _key_value_gradients_token_by_token(
             q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
             k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
@@ -633,7 +633,7 @@ def chunked_backward_kernel(
             dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
             dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
             o_arg + batch * stride_ob + h * stride_oh,
-            denominator_arg + row * T, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, T, D, E,
+            denominator_arg + row * tokens, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
             stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
             BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
