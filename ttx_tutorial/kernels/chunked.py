@@ -38,12 +38,19 @@ product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chun
 adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN`` and float32
-"tf32x3" and "tf32" included).
-Caveats: a non-finite v reaches the earlier outputs of its chunk (masked zeros times inf is
-NaN), a non-finite k the earlier q-gradients: zero padding first. A config that needs more
-shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16 bit
-patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the kernels
-round by hand (``_rounded``) and widen every product operand to float32.
+"tf32x3" and "tf32" included; the token-by-token walks below: compiled, not yet run on a GPU).
+Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
+the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
+Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
+one redoes its tokens one at a time after the loop (``_outputs_token_by_token`` and the two
+gradient walks: the recurrence, causal by construction) and overwrites what it stored. The walks
+take their offsets afresh from the arguments and do not unroll: values kept live through a
+chunk loop cost that loop registers.
+Caveats: a program with an inf or NaN in its inputs walks its tokens serially (a slow call,
+not a wrong one). A config that needs more shared memory than the GPU has fails at launch. The
+interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to bfloat16:
+under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every product
+operand to float32.
 """
 
 import contextlib
@@ -112,6 +119,144 @@ def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, 
 
 
 @triton.jit
+def _sequence_after_loop(cu_seqlens_ptr, bh, H, T, IS_VARLEN: tl.constexpr):
+    """(batch, h, first token, T) of program row bh (int64) for a walk after the chunk loop:
+    batch is 0 for packed sequences (which live in a batch of one), first token 0 otherwise.
+    Derived again from the program id and the arguments, in int64, so that no value the kernel
+    computed before its loop stays live through it: such values cost the loop registers."""
+    b = bh // H
+    h = bh - b * H
+    if IS_VARLEN:
+        first = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        return b * 0, h, first, (tl.load(cu_seqlens_ptr + b + 1) - first).to(tl.int32)
+    return b, h, b * 0, T
+
+
+@triton.jit
+def _start_state(state_ptr, has_state, D, E, first_column, stride_sd, stride_se,
+                 BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+    """(S, z) a token-by-token walk starts from: columns [first_column, first_column + BLOCK_E) of
+    a (D, E) state (E + 1 columns, z last, with NORMALIZE), or zeros without one. Offsets are made
+    here, after the chunk loop, so that none stays live through it."""
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_e = first_column + tl.arange(0, BLOCK_E).to(tl.int64)
+    b_state = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if has_state:
+        b_state = tl.load(state_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                          mask=(offs_d[:, None] < D) & (offs_e[None, :] < E), other=0.0).to(tl.float32)
+        if NORMALIZE:
+            b_z = tl.load(state_ptr + offs_d * stride_sd + E * stride_se, mask=offs_d < D, other=0.0)
+    return b_state, b_z
+
+
+@triton.jit
+def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, has_state, T, D, E, first_column, reverse, eps,
+                            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
+                            stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                            NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rewrites o for tokens [0, T) from the start state, one token at a time in walk order, in
+    float32: S <- S + k_t v_t^T, o_t = q_t S (NORMALIZE: z <- z + k_t, o_t / (q_t . z + eps)).
+    No product multiplies a token that o_t must not see, so an inf or NaN reaches exactly the
+    outputs it reaches in the recurrence. Vectors and the state only: fewer registers than a chunk."""
+    b_state, b_z = _start_state(state_ptr, has_state, D, E, first_column, stride_sd, stride_se,
+                                BLOCK_D, BLOCK_E, NORMALIZE)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_e = first_column + tl.arange(0, BLOCK_E).to(tl.int64)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    for i in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = tl.where(reverse != 0, T - 1 - i, i)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_state += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_q[:, None] * b_state, 0)
+        if NORMALIZE:
+            b_z += b_k
+            b_o = b_o / (tl.sum(b_q * b_z, 0) + eps)
+        tl.store(o_ptr + t * stride_ot + offs_e * stride_oe, _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
+
+
+@triton.jit
+def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe, stride_ot, stride_oe,
+                     NORMALIZE: tl.constexpr):
+    """(g_t, r_t) in float32 for one token: dO_t and 0, or with NORMALIZE the numerator's gradient
+    dO_t / (d_t + eps) and the denominator's -(g_t . out_t) (see chunked_backward_kernel)."""
+    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+    b_grad_denominator = 0.0
+    if NORMALIZE:
+        b_g = b_g / tl.load(denominator_ptr + t)
+        b_o = tl.load(o_ptr + t * stride_ot + offs_e * stride_oe, mask=mask_e, other=0.0).to(tl.float32)
+        b_grad_denominator = -tl.sum(b_g * b_o, 0)
+    return b_g, b_grad_denominator
+
+
+@triton.jit
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denominator_ptr, state_ptr, has_state,
+                                    T, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_dqt, stride_dqd, stride_ot, stride_oe, stride_sd, stride_se,
+                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                    NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rewrites dq for tokens [0, T) from P = S_0 (D x E, and z_0), one token at a time:
+    P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t, plus r_t z), in float32; causal by
+    construction, as ``_outputs_token_by_token``."""
+    b_p, b_z = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    for t in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_p += b_k[:, None] * b_v[None, :]
+        b_dq = tl.sum(b_p * b_g[None, :], 1)
+        if NORMALIZE:
+            b_z += b_k
+            b_dq += b_grad_denominator * b_z
+        tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+
+
+@triton.jit
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, o_ptr, denominator_ptr,
+                                        state_ptr, has_state, T, D, E,
+                                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
+                                        stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
+                                        stride_ot, stride_oe, stride_sd, stride_se,
+                                        BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                        NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rewrites dk and dv for tokens [0, T), last first, from R = G (and dz = G's z column), one
+    token at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t,
+    dk_t plus dz), in float32; causal by construction, as ``_outputs_token_by_token``."""
+    b_r, b_dz = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    for i in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = T - 1 - i
+        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_r += b_q[:, None] * b_g[None, :]
+        b_dk = tl.sum(b_r * b_v[None, :], 1)
+        if NORMALIZE:
+            b_dz += b_grad_denominator * b_q
+            b_dk += b_dz
+        b_dv = tl.sum(b_r * b_k[:, None], 0)
+        tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+        tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve, _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
+
+
+@triton.jit
 def chunked_kernel(
     q_ptr, k_ptr, v_ptr,            # inputs: q, k (B, H, T, D), v (B, H, T, E)
     o_ptr,                          # output (B, H, T, E), dtype of v
@@ -139,6 +284,8 @@ def chunked_kernel(
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only)
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
+    # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
+    q_arg, k_arg, v_arg, o_arg, initial_state_arg = q_ptr, k_ptr, v_ptr, o_ptr, initial_state_ptr
     # Float32 intermediates (state, masked scores) meet the inputs in a tensor-core product:
     # rounded to bfloat16 for bfloat16 inputs (same range), kept float32 (TF32) for float16.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -195,6 +342,10 @@ def chunked_kernel(
     # NORMALIZE: d_t + eps and z belong to no value block; the first block's program stores them.
     stored_tokens = tl.where(pid_e == 0, T, 0)
     stored_rows = tl.where(pid_e == 0, D, 0)
+    # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
+    # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
+    # a program that saw one redoes its tokens one by one after the loop.
+    b_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(num_chunks):
         chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
         offs_t = chunk * CHUNK + offs_c
@@ -225,6 +376,7 @@ def chunked_kernel(
         if NORMALIZE:
             b_o, b_z = _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptr + (b * H + h) * T + offs_t,
                                    offs_t < stored_tokens)
+        b_seen += tl.sum(b_o * 0.0, 1)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
@@ -234,6 +386,20 @@ def chunked_kernel(
              b_state, mask=mask_de)
     if NORMALIZE:
         tl.store(final_state_ptr + offs_d * stride_sfd + E * stride_sfe, b_z, mask=offs_d < stored_rows)
+
+    if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the outputs causally
+        e_blocks = (E + BLOCK_E - 1) // BLOCK_E
+        row = tl.program_id(0).to(tl.int64) // e_blocks
+        first_column = (tl.program_id(0).to(tl.int64) - row * e_blocks) * BLOCK_E
+        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        _outputs_token_by_token(q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
+                                k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
+                                v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
+                                o_arg + batch * stride_ob + h * stride_oh + first * stride_ot,
+                                initial_state_arg + (row // H) * stride_s0b + h * stride_s0h, has_initial_state,
+                                tokens, D, E, first_column, reverse, eps, stride_qt, stride_qd, stride_kt, stride_kd,
+                                stride_vt, stride_ve, stride_ot, stride_oe, stride_s0d, stride_s0e,
+                                BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 @triton.jit
@@ -270,6 +436,9 @@ def chunked_backward_kernel(
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
+    # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
+    q_arg, k_arg, v_arg, do_arg, o_arg, denominator_arg = q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, denominator_ptr
+    dq_arg, dk_arg, dv_arg, initial_state_arg, g_arg = dq_ptr, dk_ptr, dv_ptr, initial_state_ptr, g_ptr
     # Two walks over the chunks.
     # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
     # L the lower triangle (s <= t),
@@ -321,7 +490,8 @@ def chunked_backward_kernel(
     num_chunks = (T + CHUNK - 1) // CHUNK
     o_ptr += b * stride_ob + h * stride_oh
     denominator_ptr += (b * H + h) * T
-
+    # As in chunked_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose tiles
+    # held an inf or NaN is redone one token at a time after the loops.
     if compute_dq:
         b_p = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -333,6 +503,7 @@ def chunked_backward_kernel(
                 b_z = tl.load(initial_state_ptr + offs_d * stride_s0d + E * stride_s0e, mask=mask_d, other=0.0)
         # Row t (token t) receives from column s (token s) when s <= t.
         lower = offs_c[:, None] >= offs_c[None, :]
+        b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
         b_p_carry = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
             offs_t = i * CHUNK + offs_c
@@ -366,8 +537,21 @@ def chunked_backward_kernel(
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
+            b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+        if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo dq causally, from S_0 and z_0
+            row = tl.program_id(0).to(tl.int64)
+            batch, h_dq, first, T_dq = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+            _query_gradients_token_by_token(
+                do_arg + batch * stride_dob + h_dq * stride_doh + first * stride_dot,
+                v_arg + batch * stride_vb + h_dq * stride_vh + first * stride_vt,
+                k_arg + batch * stride_kb + h_dq * stride_kh + first * stride_kt,
+                dq_arg + batch * stride_dqb + h_dq * stride_dqh + first * stride_dqt,
+                o_arg + batch * stride_ob + h_dq * stride_oh, denominator_arg + row * T_dq,
+                initial_state_arg + (row // H) * stride_s0b + h_dq * stride_s0h, has_initial_state,
+                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
+                stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -379,6 +563,8 @@ def chunked_backward_kernel(
             b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
+    b_dk_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
@@ -420,6 +606,8 @@ def chunked_backward_kernel(
             b_dk += b_dz[None, :]
             b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
+        b_dk_seen += tl.sum(b_dk * 0.0, 1)
+        b_dv_seen += tl.sum(b_dv * 0.0, 1)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -431,6 +619,22 @@ def chunked_backward_kernel(
     tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
     if NORMALIZE:
         tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
+
+    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
+        row = tl.program_id(0).to(tl.int64)
+        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        _key_value_gradients_token_by_token(
+            q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
+            k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
+            v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
+            do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
+            dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
+            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
+            o_arg + batch * stride_ob + h * stride_oh,
+            denominator_arg + row * tokens, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
+            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
+            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).

@@ -40,11 +40,15 @@ and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segmen
 float32 "tf32x3" and "tf32" included).
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
-Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there. A non-finite v reaches the earlier outputs of its chunk (masked zeros
-times inf is NaN), a non-finite k the earlier q-gradients: zero padding first. A config that
-needs more shared memory than the GPU has fails at launch. The interpreter multiplies bfloat16
-bit patterns in ``tl.dot`` and truncates float32 to bfloat16: under it (``INTERPRETED``) the
-kernels round by hand (``_rounded``) and widen every product operand to float32.
+Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there.
+Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
+the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
+that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
+causal by construction; compiled, not yet run on a GPU), overwriting what it stored: a slow
+call, not a wrong one. A config that needs more shared memory than the GPU has fails at launch.
+The interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to
+bfloat16: under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every
+product operand to float32.
 """
 
 from __future__ import annotations
@@ -81,6 +85,103 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
     else:
         b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
     return b_sum
+
+
+@triton.jit
+def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_len, reverse, IS_VARLEN: tl.constexpr):
+    """(b, h, walk, first token, tokens, value block) of program ``pid`` (int64) for a walk after
+    the chunk loop, derived again from the program id and the arguments as the kernels' openings
+    do, so that no value computed before the loop stays live through it: such values cost the
+    loop registers."""
+    e_block = pid % e_blocks
+    walk = (pid // e_blocks) % n_segments
+    bh = pid // (e_blocks * n_segments)
+    segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
+    if IS_VARLEN:
+        first = tl.load(segments_ptr + n_segments + segment).to(tl.int64)
+        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+    else:
+        first = segment * segment_len
+        tokens = tl.minimum(segment_len, T - first).to(tl.int32)
+    return bh // H, bh % H, walk, first, tokens, e_block
+
+
+@triton.jit
+def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, reverse, first_column, D, E,
+                            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
+                            stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+    """Rewrites o for the segment's tokens from its start state, one token at a time in walk order,
+    in float32: S <- S + k_t v_t^T, o_t = q_t S. No product multiplies a token that o_t must not
+    see, so an inf or NaN reaches exactly the outputs it reaches in the recurrence. Vectors and
+    the state only: fewer registers than a chunk."""
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_e = first_column + tl.arange(0, BLOCK_E).to(tl.int64)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = tl.where(reverse != 0, tokens - 1 - i, i)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_state += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_q[:, None] * b_state, 0)
+        tl.store(o_ptr + t * stride_ot + offs_e * stride_oe, _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
+
+
+@triton.jit
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, start_ptr, tokens, D, E,
+                                    stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_dqt, stride_dqd, stride_sd, stride_se,
+                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
+    at a time: P <- P + k_t v_t^T, dq_t = P dO_t, in float32; causal by construction."""
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    b_p = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                  mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    for t in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_p += b_k[:, None] * b_v[None, :]
+        b_dq = tl.sum(b_p * b_do[None, :], 1)
+        tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+
+
+@triton.jit
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, start_ptr, tokens, D, E,
+                                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
+                                        stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
+                                        stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                        INTERPRETED: tl.constexpr):
+    """Rewrites dk and dv for the segment's tokens, last first, from its suffix state R, one token
+    at a time: R <- R + q_t dO_t^T, dk_t = R v_t, dv_t = R^T k_t, in float32; causal by construction."""
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    b_r = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                  mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
+        t = tokens - 1 - i
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
+        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+        b_r += b_q[:, None] * b_do[None, :]
+        b_dk = tl.sum(b_r * b_v[None, :], 1)
+        b_dv = tl.sum(b_r * b_k[:, None], 0)
+        tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_d)
+        tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve, _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_e)
 
 
 @triton.jit
@@ -218,6 +319,8 @@ def scan_outputs_kernel(
     IS_VARLEN: tl.constexpr,
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
+    # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
+    q_arg, k_arg, v_arg, o_arg, start_arg = q_ptr, k_ptr, v_ptr, o_ptr, start_ptr
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     # The operand type that meets the float32 state and scores (see the header).
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -264,6 +367,10 @@ def scan_outputs_kernel(
     b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                       mask=mask_de, other=0.0)
 
+    # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
+    # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
+    # a program that saw one redoes its segment one token at a time after the loop.
+    b_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(0, n_chunks):
         chunk_start = tl.where(reverse != 0, n_chunks - 1 - i, i) * CHUNK
         offs_t = chunk_start + offs_c
@@ -284,6 +391,7 @@ def scan_outputs_kernel(
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                      b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        b_seen += tl.sum(b_o * 0.0, 1)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
@@ -291,6 +399,19 @@ def scan_outputs_kernel(
     if ends_walk:  # the last walked segment (of its sequence) ends on S_T
         final_state_ptr += final_row.to(tl.int64) * D * E
         tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
+
+    if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the segment's outputs causally
+        redo_b, redo_h, redo_walk, redo_first, redo_tokens, redo_e_block = _segment_after_loop(
+            segments_ptr, tl.program_id(0).to(tl.int64), (E + BLOCK_E - 1) // BLOCK_E, n_segments, H, T, segment_len,
+            reverse, IS_VARLEN)
+        _outputs_token_by_token(q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
+                                k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                                v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+                                o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                                start_arg + redo_b * stride_sb + redo_h * stride_sh + redo_walk * stride_sw,
+                                redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, stride_qt, stride_qd,
+                                stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
+                                BLOCK_D, BLOCK_E, INTERPRETED)
 
 
 @triton.jit
@@ -327,6 +448,9 @@ def scan_backward_kernel(
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
     and the program of the first segment (of its sequence, when packed) stores the final R, dS_0."""
+    # The arguments as passed, for the token-by-token walks after the chunk loops (see below).
+    q_arg, k_arg, v_arg, do_arg, dq_arg, dk_arg, dv_arg = q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr
+    forward_start_arg, suffix_start_arg = forward_start_ptr, suffix_start_ptr
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
@@ -363,12 +487,14 @@ def scan_backward_kernel(
     dq_ptr += b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
     dk_ptr += b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
     dv_ptr += b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
-
+    # As in scan_outputs_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose
+    # tiles held an inf or NaN is redone one token at a time after the loops.
     if compute_dq:
         forward_start_ptr += b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
         b_p = tl.load(forward_start_ptr + offs_e[:, None] * stride_fe + offs_d[None, :] * stride_fd,
                       mask=mask_e[:, None] & mask_d[None, :], other=0.0)             # [E, D]
         lower = offs_c[:, None] >= offs_c[None, :]
+        b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
         for i in range(0, n_chunks):
             offs_t = i * CHUNK + offs_c
             mask_t = offs_t < tokens
@@ -388,13 +514,27 @@ def scan_backward_kernel(
             b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
             b_p = tl.dot(b_vt, b_k.to(DOT_DTYPE), acc=b_p, input_precision=FLOAT32_PRECISION)
+            b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+        if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo the segment's dq causally
+            redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
+                segments_ptr, tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0, IS_VARLEN)
+            _query_gradients_token_by_token(
+                do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
+                v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+                k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
+                forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw, redo_tokens, D, E,
+                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
+                stride_fd, stride_fe, BLOCK_D, BLOCK_E, INTERPRETED)
 
     suffix_start_ptr += b64 * stride_rb + h64 * stride_rh + (n_segments - 1 - segment).to(tl.int64) * stride_rw
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
     upper = offs_c[:, None] <= offs_c[None, :]
+    b_dk_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(0, n_chunks):
         offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < tokens
@@ -417,6 +557,8 @@ def scan_backward_kernel(
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                       b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
+        b_dk_seen += tl.sum(b_dk * 0.0, 1)
+        b_dv_seen += tl.sum(b_dv * 0.0, 1)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
@@ -425,6 +567,21 @@ def scan_backward_kernel(
     if starts_sequence:  # the reverse walk ends on dS_0
         ds0_ptr += ds0_row.to(tl.int64) * D * E
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+
+    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
+        redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
+            segments_ptr, tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0, IS_VARLEN)
+        _key_value_gradients_token_by_token(
+            q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
+            k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+            v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+            do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
+            dk_arg + redo_b * stride_dkb + redo_h * stride_dkh + redo_first * stride_dkt,
+            dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
+            suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh + (n_segments - 1 - redo_walk) * stride_rw,
+            redo_tokens, D, E,
+            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_rd, stride_re, BLOCK_D, BLOCK_E, INTERPRETED)
 
 
 @triton.jit
