@@ -126,20 +126,26 @@ def run_with_gradients(method, q, k, v, grad_o):
     return o.detach(), state.detach(), *(x.grad for x in leaves)
 
 
+def assert_same_results(label, names, found, expected, dtype):
+    """Each found result is non-finite exactly where its float64 reference is, and within
+    ``dtype``'s tolerance of it elsewhere."""
+    for name, out, ref in zip(names, found, expected):
+        out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
+        assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), (
+            f"{label} {name}: non-finite at {(~torch.isfinite(out) & torch.isfinite(ref)).nonzero()[:5].tolist()} "
+            f"where the reference is finite, finite at {(torch.isfinite(out) & ~torch.isfinite(ref)).nonzero()[:5].tolist()} "
+            "where it is not")
+        finite = torch.isfinite(ref)
+        assert finite.any(), f"{label} {name}: nothing finite left to compare"
+        testing.assert_close(out[finite], ref[finite], dtype, f"{label} {name} where finite")
+
+
 def assert_same_non_finite_positions(method, q, k, v, grad_o, dtype):
     """Every result of ``method`` is non-finite exactly where ``cumsum``'s in float64 on the same
     values is (it adds each token only to later states), and within ``dtype``'s tolerance elsewhere."""
     found = run_with_gradients(method, q, k, v, grad_o)
     expected = run_with_gradients("cumsum", *(x.detach().double() for x in (q, k, v, grad_o)))
-    for name, out, ref in zip(("o", "S_T", "dq", "dk", "dv"), found, expected):
-        out = out.double()
-        assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), (
-            f"{method} {name}: non-finite at {(~torch.isfinite(out) & torch.isfinite(ref)).nonzero()[:5].tolist()} "
-            f"where the reference is finite, finite at {(torch.isfinite(out) & ~torch.isfinite(ref)).nonzero()[:5].tolist()} "
-            "where it is not")
-        finite = torch.isfinite(ref)
-        assert finite.any(), f"{name}: nothing finite left to compare"
-        testing.assert_close(out[finite], ref[finite], dtype, f"{method} {name} where finite")
+    assert_same_results(method, ("o", "S_T", "dq", "dk", "dv"), found, expected, dtype)
 
 
 def with_garbage(B, H, T, D, E, dtype, device, argument, garbage, token, seed):
@@ -213,14 +219,44 @@ def test_normalized_attention_keeps_non_finite_values_causal(argument, garbage, 
     q, k = q.abs(), k.abs()  # positive features: denominators far from 0
     found = normalized_with_gradients(q, k, v, grad_o, reference=False)
     expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)), reference=True)
-    for name, out, ref in zip(("out", "S_T", "dq", "dk", "dv"), found, expected):
-        out = out.cpu().double()
-        assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), (
-            f"{name}: non-finite at {(~torch.isfinite(out) & torch.isfinite(ref)).nonzero()[:5].tolist()} where "
-            f"the reference is finite, finite at {(torch.isfinite(out) & ~torch.isfinite(ref)).nonzero()[:5].tolist()}")
-        finite = torch.isfinite(ref)
-        assert finite.any(), f"{name}: nothing finite left to compare"
-        testing.assert_close(out[finite], ref[finite], dtype, f"normalised {name} where finite")
+    assert_same_results("normalised", ("out", "S_T", "dq", "dk", "dv"), found, expected, dtype)
+
+
+#: Packed sequences (a batch of one), among them an empty one: the walks after the chunk loops
+#: take their sequence's tokens from the offsets, and start from its initial state (forward, dq)
+#: or from the final state's gradient (dk, dv).
+PACKED_LENGTHS = (37, 0, 100, 23)
+
+
+def packed_with_gradients(method, q, k, v, s0, cu_seqlens, grad_o, grad_state):
+    """(o, S_T, dq, dk, dv, dS_0) of ``method`` on packed sequences, with poisoned outputs."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+    with testing.poisoned_allocations():
+        o, state = causal_product(*leaves[:3], method, cu_seqlens=cu_seqlens, initial_state=leaves[3],
+                                  return_state=True)
+        torch.autograd.backward((o, state), (grad_o.to(o.device, o.dtype), grad_state.to(state.device, state.dtype)))
+    return o.detach(), state.detach(), *(x.grad for x in leaves)
+
+
+# float32 takes the three-launch backwards, bfloat16 the fused ones.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("argument, garbage", [("q", math.nan), ("k", math.inf), ("v", -math.inf), ("do", math.inf)],
+                         ids=["q-nan", "k-inf", "v--inf", "do-inf"])
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+def test_packed_sequences_with_states_keep_non_finite_values_causal(method, argument, garbage, dtype, device):
+    H, D, E = 2, 32, 48
+    total = sum(PACKED_LENGTHS)
+    q, k, v = testing.random_inputs(1, H, total, D, E, dtype=dtype, device=device, seed=8)
+    s0 = torch.randn(len(PACKED_LENGTHS), H, D, E, generator=torch.Generator().manual_seed(9)).to(device)
+    grad_o = torch.randn(1, H, total, E, generator=torch.Generator().manual_seed(10)).to(device, dtype)
+    grad_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(11)).to(device)
+    cu_seqlens = torch.tensor([0, *PACKED_LENGTHS], dtype=torch.int64).cumsum(0).to(device, torch.int32)
+    token = 37 + 90  # late in a chunk (and a segment) of the third sequence, counted from its start
+    dict(q=q, k=k, v=v, do=grad_o)[argument][:, -1, token, 3] = garbage
+    found = packed_with_gradients(method, q, k, v, s0, cu_seqlens, grad_o, grad_state)
+    expected = packed_with_gradients("cumsum", *(x.detach().cpu().double() for x in (q, k, v, s0)),
+                                     cu_seqlens.cpu(), grad_o.cpu().double(), grad_state.cpu().double())
+    assert_same_results(method, ("o", "S_T", "dq", "dk", "dv", "dS_0"), found, expected, dtype)
 
 
 @pytest.mark.parametrize("method", (*ttx_tutorial.METHODS, "auto"))
