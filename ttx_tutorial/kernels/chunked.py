@@ -563,8 +563,7 @@ def chunked_backward_kernel(
             b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
-    b_dk_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    b_dv_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
@@ -606,8 +605,7 @@ def chunked_backward_kernel(
             b_dk += b_dz[None, :]
             b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
-        b_dk_seen += tl.sum(b_dk * 0.0, 1)
-        b_dv_seen += tl.sum(b_dv * 0.0, 1)
+        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
 
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -620,7 +618,7 @@ def chunked_backward_kernel(
     if NORMALIZE:
         tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
-    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
+    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
         row = tl.program_id(0).to(tl.int64)
         batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
         _key_value_gradients_token_by_token(

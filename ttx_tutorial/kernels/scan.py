@@ -533,8 +533,7 @@ def scan_backward_kernel(
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
     upper = offs_c[:, None] <= offs_c[None, :]
-    b_dk_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    b_dv_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(0, n_chunks):
         offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < tokens
@@ -557,8 +556,7 @@ def scan_backward_kernel(
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                       b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
         b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
-        b_dk_seen += tl.sum(b_dk * 0.0, 1)
-        b_dv_seen += tl.sum(b_dv * 0.0, 1)
+        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
         tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
@@ -568,7 +566,7 @@ def scan_backward_kernel(
         ds0_ptr += ds0_row.to(tl.int64) * D * E
         tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
 
-    if tl.sum(b_dk_seen, 0) + tl.sum(b_dv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
+    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
         redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
             segments_ptr, tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0, IS_VARLEN)
         _key_value_gradients_token_by_token(
