@@ -3,9 +3,11 @@
 # in GPU mode, python -m ttx_tutorial.bench (every method and peer side by side, timings and
 # errors), then benchmarks/gpu_check.py's config tuning and precision.
 #
-#   bash benchmarks/gpu_suite.sh [tests] [compile] [notebooks] [bench] [check] [-- <bench arguments>]
+#   bash benchmarks/gpu_suite.sh [peers] [tests] [compile] [notebooks] [bench] [check] [-- <bench arguments>]
 #
-# With no step named, runs all five. Logs and results go to $RESULTS (default benchmarks/results).
+# With no step named, runs the last five. "peers" builds fast-transformers' causal product
+# (benchmarks/build_fast_transformers.py) from a checkout in $FAST_TRANSFORMERS_SOURCE (default
+# .peers/fast-transformers) and puts it on PYTHONPATH for the steps after it. Logs and results go to $RESULTS (default benchmarks/results).
 # On a 16-core H200 machine with a cold Triton cache the tests take about 5 minutes with
 # TTX_HYPOTHESIS_EXAMPLES=10 (the default here; raise it for a longer run), the notebooks about 4
 # (notebook 05 times every method on the GPU). "compile" is the CPU-side check of every launch
@@ -30,6 +32,12 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for step in "${steps[@]}"; do
   case "$step" in
+    peers)
+      site="$(cd "$RESULTS" && pwd)/peer-site"
+      python3 benchmarks/build_fast_transformers.py --source "${FAST_TRANSFORMERS_SOURCE:-.peers/fast-transformers}" \
+        --target "$site" 2>&1 | tail -3
+      status=$((status | ${PIPESTATUS[0]}))
+      export PYTHONPATH="$site:$PYTHONPATH" ;;
     tests)
       TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests -q -n "$workers" \
         -p no:cacheprovider -o addopts="-ra" --ignore=tests/test_compile_targets.py 2>&1 \
