@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call: the test suite compiled for the GPU, the notebooks under nbval
-# in GPU mode, python -m ttx_tutorial.bench (every method and peer side by side, timings and
-# errors), then benchmarks/gpu_check.py's config tuning and precision.
+# The GPU checks, one step after another, each logged to $RESULTS (default benchmarks/results):
 #
-#   bash benchmarks/gpu_suite.sh [tests] [compile] [notebooks] [bench] [check] [-- <bench arguments>]
+#   bash benchmarks/gpu_suite.sh [STEP ...] [-- <bench arguments>]
 #
-# With no step named, runs all five. Logs and results go to $RESULTS (default benchmarks/results).
-# On a 16-core H200 machine with a cold Triton cache the tests take about 5 minutes with
-# TTX_HYPOTHESIS_EXAMPLES=10 (the default here; raise it for a longer run), the notebooks about 4
-# (notebook 05 times every method on the GPU). "compile" is the CPU-side check of every launch
-# for sm_80/sm_90 (585 compiles): it needs no GPU, but checks the GPU machine's Triton version.
+#   peers      build fast-transformers' causal product (benchmarks/build_fast_transformers.py)
+#              from a checkout in $FAST_TRANSFORMERS_SOURCE (default .peers/fast-transformers) and
+#              put it on PYTHONPATH for the steps after it
+#   tests      the test suite on the GPU, one line per test in tests.log (TTX_SIZE_TESTS=1 adds
+#              the size tests; TTX_HYPOTHESIS_EXAMPLES defaults to 10 here)
+#   compile    the CPU-side compile of every launch for sm_80/sm_90 with this machine's Triton
+#   notebooks  every notebook under nbval in GPU mode
+#   bench      python -m ttx_tutorial.bench (every method and peer side by side)
+#   check      benchmarks/gpu_check.py (config tuning, precision)
+#   packed     benchmarks/varlen_check.py (packed batches against unpacked and fla)
+#   host       benchmarks/host_overhead.py (where a call's host time goes)
+#   layer      benchmarks/layer_check.py (normalised attention, the layer, the step, compiled)
+#   float32    benchmarks/float32_sweep.py --no-peers (every float32 setting and candidate)
+#
+# With no step named: tests compile notebooks bench check. On a 16-core H200 machine with a cold
+# Triton cache, the tests (size tests included) took 196 s with 13 workers, the notebooks more
+# than 185 s; fla's first calls autotune for minutes, so steps that time fla come last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-benchmarks/results}
@@ -30,23 +40,42 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$RESULTS/gpu.txt"
 for step in "${steps[@]}"; do
   case "$step" in
+    peers)
+      site="$(cd "$RESULTS" && pwd)/peer-site"
+      python3 benchmarks/build_fast_transformers.py --source "${FAST_TRANSFORMERS_SOURCE:-.peers/fast-transformers}" \
+        --target "$site" 2>&1 | tail -3
+      status=$((status | ${PIPESTATUS[0]}))
+      export PYTHONPATH="$site:$PYTHONPATH" ;;
     tests)
-      TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests -q -n "$workers" \
-        -p no:cacheprovider -o addopts="-ra" --ignore=tests/test_compile_targets.py 2>&1 \
-        | tee "$RESULTS/tests.log" | tail -25
-      status=$((status | ${PIPESTATUS[0]})) ;;
+      TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests -v -n "$workers" \
+        --dist loadfile -p no:cacheprovider -o addopts="-ra" --ignore=tests/test_compile_targets.py \
+        > "$RESULTS/tests.log" 2>&1
+      status=$((status | $?))
+      grep -E "^(FAILED|ERROR) " "$RESULTS/tests.log" | head -30; tail -1 "$RESULTS/tests.log" ;;
     compile)
       python3 -m pytest tests/test_compile_targets.py -q -n "$workers" -p no:cacheprovider -o addopts="-ra" 2>&1 \
         | tee "$RESULTS/compile.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     notebooks)
-      python3 -m pytest notebooks -q -p no:cacheprovider 2>&1 | tee "$RESULTS/notebooks.log" | tail -25
+      python3 -m pytest notebooks -q -n 3 --dist loadfile -p no:cacheprovider 2>&1 | tee "$RESULTS/notebooks.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench)
       python3 -m ttx_tutorial.bench --out "$RESULTS" "${bench_args[@]}" 2>&1 | tee "$RESULTS/bench.log"
       status=$((status | ${PIPESTATUS[0]})) ;;
     check)
       python3 benchmarks/gpu_check.py --out "$RESULTS" 2>&1 | tee "$RESULTS/check.log"
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    packed)
+      python3 benchmarks/varlen_check.py --json "$RESULTS/varlen.json" 2>&1 | tee "$RESULTS/varlen.log"
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    host)
+      python3 benchmarks/host_overhead.py --json "$RESULTS/host.json" 2>&1 | tee "$RESULTS/host.log"
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    layer)
+      python3 benchmarks/layer_check.py "$RESULTS/layer.json" --rounds 1 2>&1 | tee "$RESULTS/layer.log"
+      status=$((status | ${PIPESTATUS[0]})) ;;
+    float32)
+      python3 benchmarks/float32_sweep.py --no-peers --out "$RESULTS/float32.json" 2>&1 | tee "$RESULTS/float32.log"
       status=$((status | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -123,6 +123,8 @@ def run_case(case, lengths, heads, dim, generator):
             forward = time_ms(lambda: fn(q, k, v))
         backward = time_ms(lambda: fn(*leaves).backward(grad_o), leaves)
         error = packed_error(o, q, k, v, offsets) if packed else None
+        # printed as it comes: fla's first calls autotune for minutes, and a cut run keeps ours
+        print(f"  {name}: fwd {forward:.4f} ms, fwd+bwd {backward:.4f} ms", flush=True)
         rows.append({"case": case, "method": name, "packed": packed, "sequences": len(lengths), "T": T,
                      "fwd_ms": forward, "fwd+bwd_ms": backward, "error": error})
     best_fla = {key: min((r[key] for r in rows if r["method"].startswith("fla")), default=None)

@@ -46,3 +46,31 @@ def test_auto_validates_like_the_kernels():
     q, k, v = random_inputs(1, 1, 4, 300)
     with pytest.raises(ValueError, match="256"):
         ttx_tutorial.causal_product(q, k, v)
+
+
+#: The recorded data's dtype names.
+_RECORDED_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: An H200's multiprocessors: the GPU of the recorded data.
+_H200_MULTIPROCESSORS = 132
+
+
+def test_auto_is_within_5_percent_of_the_fastest_kernel_at_every_recorded_point():
+    """At each point (shape, dtype, forward or forward+backward) of the newest recording of the
+    benchmark, the rule, applied for an H200, picks a kernel whose GPU time is within 5 % of the
+    fastest Triton kernel's there. A new recording that the rule does not fit fails here."""
+    from ttx_tutorial.course.figures import latest_recording, load_recorded
+
+    name, rows = latest_recording(load_recorded(), part="shapes")
+    points = {}
+    for row in rows:
+        if row["impl"] in ("recurrent", "chunked", "scan") and row.get("gpu_ms") is not None:
+            points.setdefault((tuple(row["shape"]), row["dtype"], row["mode"]), {})[row["impl"]] = row["gpu_ms"]
+    checked = 0
+    for (shape, dtype, mode), times in points.items():
+        if len(times) < 3:
+            continue
+        B, H, T, D, E = shape
+        choice = api._rule(B, H, T, D, E, _RECORDED_DTYPES[dtype], _H200_MULTIPROCESSORS)
+        assert times[choice] <= 1.05 * min(times.values()), (name, shape, dtype, mode, choice, times)
+        checked += 1
+    assert checked >= 6, f"{name}: only {checked} points time all three kernels"

@@ -96,8 +96,15 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
         T //= B
-    programs = B * H * -(-E // _chunked_value_block(D, E, q.dtype))
     multiprocessors, _ = chunked._device_limits(q.device)
+    return _rule(B, H, T, D, E, q.dtype, multiprocessors)
+
+
+@functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
+def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int) -> str:
+    """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one
+    (tests/test_auto.py checks it against the recorded benchmark)."""
+    programs = B * H * -(-E // _chunked_value_block(D, E, dtype))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"

@@ -1,0 +1,132 @@
+"""What one launch costs the host, layer by layer, for the generation step (GPU only).
+
+    python benchmarks/launch_cost.py [--calls 2000] [--json OUT.json]
+
+The step at (B, H, D, E) = (8, 16, 64, 64) bfloat16 does microseconds of GPU work, so a call's
+time is the host's. Each row is the host time of one call in a loop of ``--calls`` calls that
+never waits for the GPU (the best of five loops' means), peeling one layer at a time:
+
+  api             ttx_tutorial.linear_attention_step(q, k, v, state)
+  step_update     kernels/step.py's entry: checks (cached per signature), plan, launch
+  jit             step_kernel[grid](...): Triton's JIT path (binds and specialises the
+                  arguments, finds the compiled kernel in its cache, then launches)
+  compiled        the CompiledKernel the JIT path returned, called as kernel[grid](*args):
+                  no binding or cache lookup, Triton's C launcher and the driver
+  empty jit / empty compiled
+                  the same two for a Triton kernel that does nothing, with 1 and with 6
+                  pointer arguments (the launcher checks every pointer with the driver)
+  torch add_      one PyTorch kernel launch (o.add_(1.0)) for comparison
+  torch.empty     the output's allocation alone
+
+The difference between rows says what a layer costs; "compiled" is the least a Triton launch
+costs on this host through Triton's own launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial.kernels import step  # noqa: E402
+
+
+@triton.jit
+def empty_kernel(a_ptr, b_ptr, c_ptr, d_ptr, e_ptr, f_ptr, n, POINTERS: tl.constexpr):
+    pass
+
+
+def host_us(fn, calls):
+    """Microseconds per call of ``fn`` in a loop that does not wait for the GPU."""
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter_ns() - start) / calls / 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not ttx_tutorial.on_gpu():
+        print("launch_cost.py times launches on a GPU; in CPU mode Triton's interpreter runs the kernels")
+        return 0
+    B, H, D, E = 8, 16, 64, 64
+    device = torch.device("cuda")
+    q, k = (torch.randn(B, H, D, device=device, dtype=torch.bfloat16) / 8 for _ in range(2))
+    v = torch.randn(B, H, E, device=device, dtype=torch.bfloat16)
+    state = torch.zeros(B, H, D, E + 1, device=device, dtype=torch.float32)
+    o = torch.empty(B, H, E, device=device, dtype=torch.bfloat16)
+
+    grid, block_d, block_e, num_warps = step._launch_plan(B, H, D, E, True)
+    arrivals = step._arrivals(state, B * H)
+    arguments = [q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), 1e-6]
+    constants = {"FEATURE_MAP": "elu", "NORMALIZE": True, "BLOCK_D": block_d, "BLOCK_E": block_e}
+
+    def jit():
+        return step.step_kernel[grid](*arguments, **constants, num_warps=num_warps)
+
+    compiled = jit()
+    # The compiled kernel takes every parameter positionally, constexprs included, in order.
+    compiled_arguments = [*arguments, *constants.values()]
+    compiled_launch = compiled[grid]
+
+    x = torch.zeros(1, device=device)
+    empty_pointers = {}
+    for pointers in (1, 6):
+        pointer_arguments = [x if i < pointers else None for i in range(6)]
+        empty_compiled = empty_kernel[(1,)](*pointer_arguments, 1, POINTERS=pointers)
+        empty_pointers[pointers] = (pointer_arguments, empty_compiled)
+
+    rows = {
+        "api": lambda: ttx_tutorial.linear_attention_step(q, k, v, state),
+        "step_update": lambda: step.step_update(q, k, v, state),
+        "jit": jit,
+        "compiled": lambda: compiled_launch(*compiled_arguments),
+    }
+    for pointers, (pointer_arguments, empty_compiled) in empty_pointers.items():
+        rows[f"empty jit, {pointers} pointers"] = (
+            lambda pa=pointer_arguments, p=pointers: empty_kernel[(1,)](*pa, 1, POINTERS=p))
+        launch = empty_compiled[(1,)]
+        rows[f"empty compiled, {pointers} pointers"] = (
+            lambda pa=pointer_arguments, p=pointers, launch=launch: launch(*pa, 1, p))
+    rows["torch add_"] = lambda: o.add_(1.0)
+    rows["torch.empty"] = lambda: torch.empty(B, H, E, device=device, dtype=torch.bfloat16)
+
+    results = {}
+    for name, fn in rows.items():
+        try:
+            fn()
+            results[name] = host_us(fn, args.calls)
+        except Exception as error:  # noqa: BLE001  a layer this Triton lays out otherwise: say so, go on
+            results[name] = f"{type(error).__name__}: {error}"
+            print(f"{name:28s} {results[name]}", flush=True)
+            continue
+        print(f"{name:28s} {results[name]:8.1f} us", flush=True)
+    if args.json:
+        setting = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "python": platform.python_version(),
+                   "command": " ".join(sys.argv)}
+        args.json.write_text(json.dumps({"setting": setting, "host_us": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
