@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 
 import torch
@@ -60,14 +61,33 @@ def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
 
 
 @triton.jit
+def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, denominator_ptr, mask_col, mask_row,
+                      mask_denominator, eps):
+    """_token with the normaliser: z += k, o = S^T q / (q . z + eps), d + eps stored where
+    ``mask_denominator`` holds. z is a [BLOCK_D, GROUPS, 1] tile laid out as k, so that it needs
+    no layout of its own; every group holds the same z and the same denominator."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_state += b_k * b_v
+    b_z += b_k
+    b_denominator = tl.sum(b_z * b_q, axis=0, keep_dims=True) + eps  # [1, GROUPS, 1]
+    b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True) / b_denominator
+    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    tl.store(denominator_ptr, b_denominator, mask=mask_denominator)
+    return b_state, b_z
+
+
+@triton.jit
 def recurrent_tokens_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E), (B, H, T, E)
-    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
+    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
+    eps,  # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -79,6 +99,7 @@ def recurrent_tokens_kernel(
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
     IS_VARLEN: tl.constexpr,  # q, k, v, o hold B sequences packed along T of one batch row
+    NORMALIZE: tl.constexpr,  # divide o_t by d_t + eps, d_t = q_t . z_t, z_t = z_0 + sum_{s<=t} k_s
 ):
     """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
@@ -94,11 +115,15 @@ def recurrent_tokens_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        if NORMALIZE:  # T is still the packed row's length here
+            denominator_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
+    elif NORMALIZE:
+        denominator_ptr += (b * H + h) * T
 
     # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)
@@ -122,6 +147,15 @@ def recurrent_tokens_kernel(
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
+    if NORMALIZE:
+        # z in k's layout; d_t + eps belongs to no value block: the first block's first group stores it.
+        b_z = tl.zeros([BLOCK_D, GROUPS, 1], dtype=tl.float32)
+        if has_initial_state:
+            b_z = tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + d_tile * stride_s0d
+                          + E * stride_s0e, mask=d_tile < D, other=0.0)
+        offs_g = tl.arange(0, GROUPS)[None, :, None]
+        mask_denominator = offs_g + pid_e == 0  # group 0 of value block 0
+        denominator_tile_ptr = denominator_ptr + first + offs_g * 0
     q_col_ptr = q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
     k_col_ptr = k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
     v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
@@ -141,34 +175,55 @@ def recurrent_tokens_kernel(
         # only the state update chains from token to token.
         for j in tl.static_range(UNROLL):
             b_v = tl.sum(tl.where(offs_u[:, None, None] == j, b_v_block, 0.0), axis=0, keep_dims=True)
-            b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
-                             o_row_ptr + j * step_o, mask_col, mask_row)
+            if NORMALIZE:
+                b_state, b_z = _normalized_token(b_state, b_z, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
+                                                 o_row_ptr + j * step_o, denominator_tile_ptr + j * direction,
+                                                 mask_col, mask_row, mask_denominator, eps)
+            else:
+                b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
+                                 o_row_ptr + j * step_o, mask_col, mask_row)
         q_col_ptr += UNROLL * step_q
         k_col_ptr += UNROLL * step_k
         v_row_ptr += UNROLL * step_v
         o_row_ptr += UNROLL * step_o
+        if NORMALIZE:
+            denominator_tile_ptr += UNROLL * direction
     for _ in range(T_full, T):
         b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
-        b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
+        if NORMALIZE:
+            b_state, b_z = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, denominator_tile_ptr,
+                                             mask_col, mask_row, mask_denominator, eps)
+            denominator_tile_ptr += direction
+        else:
+            b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
         q_col_ptr += step_q
         k_col_ptr += step_k
         v_row_ptr += step_v
         o_row_ptr += step_o
 
     if store_final_state:
-        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None, None] * E + offs_e[None, :, :]
+        width = E  # of a state row: E + 1 when z is its last column
+        if NORMALIZE:
+            width = E + 1
+        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None, None] * width
+                          + offs_e[None, :, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
+        if NORMALIZE:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + d_tile * width + E, b_z,
+                     mask=(d_tile < D) & mask_denominator)
 
 
 @triton.jit
 def recurrent_blocks_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
-    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
+    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
+    eps,  # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -180,6 +235,7 @@ def recurrent_blocks_kernel(
     BLOCK_T: tl.constexpr,  # steps of the walk handled at once
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the block loop
     IS_VARLEN: tl.constexpr,  # as in recurrent_tokens_kernel
+    NORMALIZE: tl.constexpr,  # as in recurrent_tokens_kernel; needs the whole key dimension (BLOCK_D >= D)
 ):
     """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
     # One flat grid: value block fastest, then key block, then (batch, head).
@@ -194,11 +250,15 @@ def recurrent_blocks_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        if NORMALIZE:
+            denominator_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
+    elif NORMALIZE:
+        denominator_ptr += (b * H + h) * T
 
     offs_i = tl.arange(0, BLOCK_T)  # step i0 + i of the walk is row i of a block
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -214,6 +274,11 @@ def recurrent_blocks_kernel(
         for d in range(pid_d * BLOCK_D, tl.minimum(D, (pid_d + 1) * BLOCK_D)):
             b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_e[None, :], other=0.0)
             b_state += tl.where(offs_d[:, None] == d, b_row, 0.0)
+    if NORMALIZE:  # z: the sum of the keys so far (this program holds every key row)
+        b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if has_initial_state:
+            b_z = tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_d * stride_s0d + E * stride_s0e,
+                          mask=mask_d, other=0.0)
 
     # Step i reads token first + direction * i (tl.cast: see recurrent_tokens_kernel). The offsets
     # within a block are 32-bit: 64-bit ones for every element would double the registers of
@@ -226,6 +291,9 @@ def recurrent_blocks_kernel(
     v_block_ptr = (v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt) + rows * stride_vt + offs_e[None, :] * stride_ve
     o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + input_b * stride_ob + h * stride_oh + first * stride_ot)
                    + rows * stride_ot + offs_e[None, :] * stride_oe)
+    if NORMALIZE:
+        denominator_block_ptr = denominator_ptr + first + direction * offs_i
+        stored_tokens = tl.where(pid_e == 0, T, 0)  # d_t + eps and z belong to no value block
     for i0 in tl.range(0, T, BLOCK_T, num_stages=NUM_STAGES):
         mask_i = i0 + offs_i < T  # rows past the end load zeros: they add nothing to the state
         b_k = tl.load(k_block_ptr, mask=mask_i[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
@@ -237,6 +305,13 @@ def recurrent_blocks_kernel(
         b_states = b_state[None, :, :] + tl.cumsum(b_kv, axis=0)
         # o_t = S_t^T q_t for every step at once: the sums over D are independent of each other.
         b_o = tl.sum(b_states * b_q[:, :, None], axis=1)
+        if NORMALIZE:
+            # d_t + eps = q_t . z_t + eps, z_t a prefix sum of the block's keys; the first value block stores it.
+            b_denominator = tl.sum((b_z[None, :] + tl.cumsum(b_k, axis=0)) * b_q, axis=1) + eps
+            b_o = b_o / b_denominator[:, None]
+            tl.store(denominator_block_ptr, b_denominator, mask=i0 + offs_i < stored_tokens)
+            b_z += tl.sum(b_k, axis=0)
+            denominator_block_ptr += direction * BLOCK_T
         tl.store(o_block_ptr, b_o.to(o_block_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_e[None, :])
         b_state += tl.sum(b_kv, axis=0)
         q_block_ptr += direction * BLOCK_T * stride_qt
@@ -245,8 +320,14 @@ def recurrent_blocks_kernel(
         o_block_ptr += direction * BLOCK_T * stride_ot
 
     if store_final_state:
-        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
+        width = E  # of a state row: E + 1 when z is its last column
+        if NORMALIZE:
+            width = E + 1
+        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None] * width + offs_e[None, :]
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
+        if NORMALIZE:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d * width + E, b_z,
+                     mask=offs_d < tl.where(pid_e == 0, D, 0))
 
 
 #: The two walks: "tokens" (recurrent_tokens_kernel, one token per step) and "blocks"
@@ -338,6 +419,12 @@ def _blocks_config(D: int) -> dict:
             "num_stages": 3}
 
 
+def _normalized_blocks_config(D: int) -> dict:
+    """The blocks walk's rule when it normalises: the denominator sums over the whole key
+    dimension, so one program holds all of it, with 16 steps a block for the larger tiles."""
+    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_T": 16}
+
+
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
     """(multiprocessors, opt-in shared memory per block) of a GPU; an H100/H200's elsewhere."""
@@ -395,8 +482,9 @@ def _tokens_config(D: int, dtype: torch.dtype) -> dict:
 _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 
-def _resolve_config(q, v, config, cu_seqlens=None):
-    """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences)."""
+def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
+    """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences).
+    ``normalized``: for the NORMALIZE forward, whose blocks walk holds every key row."""
     B, H, _, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -405,6 +493,8 @@ def _resolve_config(q, v, config, cu_seqlens=None):
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
+    if normalized and chosen["WALK"] == "blocks":
+        chosen = _normalized_blocks_config(D)
     if config is None:
         return chosen
     # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
@@ -415,7 +505,8 @@ def _resolve_config(q, v, config, cu_seqlens=None):
         raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
                          f"{WALK_KEYS[walk]}")
     if walk != chosen["WALK"]:  # the other walk's rule as the base
-        chosen = _blocks_config(D) if walk == "blocks" else _tokens_config(D, q.dtype)
+        blocks_rule = _normalized_blocks_config if normalized else _blocks_config
+        chosen = blocks_rule(D) if walk == "blocks" else _tokens_config(D, q.dtype)
     chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
         groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
@@ -426,6 +517,9 @@ def _resolve_config(q, v, config, cu_seqlens=None):
         # At most the whole key dimension: the backward walks reuse the forward's config with
         # the roles of D and E swapped, so a BLOCK_D that splits D may hold all of E.
         chosen["BLOCK_D"] = min(chosen["BLOCK_D"], _block_d(D))
+        if normalized and chosen["BLOCK_D"] < D:
+            raise ValueError(f"BLOCK_D ({chosen['BLOCK_D']}) must cover D ({D}) when normalising: the "
+                             "denominator q_t . z_t sums over the whole key dimension in one program")
     return chosen
 
 
@@ -436,34 +530,38 @@ def _no_state(device):
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None):
+def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None, denominator=None,
+            eps=0.0):
     """One walk over the sequence. Returns (o, final_state or None). With ``cu_seqlens``, one
-    walk per packed sequence, and the states are (N, H, D, E)."""
+    walk per packed sequence, and the states are (N, H, D, E). With ``denominator``, a (B, H, T)
+    float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
+    E + 1 columns, z last."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    cfg = _resolve_config(q, v, config, cu_seqlens)
+    normalize = denominator is not None
+    cfg = _resolve_config(q, v, config, cu_seqlens, normalize)
     o = torch.empty((B, H, T, E), dtype=q.dtype, device=q.device)
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
-    final_state = (torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
+    final_state = (torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=q.device)
                    if store_final_state else None)
     if B * H == 0:
         return o, final_state
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
     unused = _no_state(q.device)
     s0 = initial_state if initial_state is not None else unused
-    arguments = (int(reverse), int(initial_state is not None), int(store_final_state),
+    pointers = (s0, final_state if store_final_state else unused, unused if cu_seqlens is None else cu_seqlens,
+                denominator if normalize else unused)
+    arguments = (T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state), float(eps),
                  *q.stride(), *k.stride(), *v.stride())
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
-    seqlens_arg = unused if cu_seqlens is None else cu_seqlens
     if cfg["WALK"] == "tokens":
         grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
         with _launch_guard():
             recurrent_tokens_kernel[grid](
-                q, k, v, o, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
-                *arguments, *o.stride(), *s0_strides,
+                q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
-                NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None,
+                NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
@@ -474,10 +572,11 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     grid = (-(-E // cfg["BLOCK_E"]) * key_blocks * B * H,)
     with _launch_guard():
         recurrent_blocks_kernel[grid](
-            q, k, v, parts, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
-            *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
-            BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
-            NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            q, k, v, parts, *pointers, *arguments, *parts.stride()[1:], *s0_strides,
+            parts.stride(0) if key_blocks > 1 else 0,
+            BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"], NUM_STAGES=cfg["num_stages"],
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
@@ -519,6 +618,71 @@ class _RecurrentCausalProduct(torch.autograd.Function):
             dv, ds0 = _launch(k, q, grad_o, g, reverse=True, store_final_state=need_s0, config=ctx.config,
                               cu_seqlens=cu_seqlens)
         return dq, dk, (dv if need_v else None), ds0, None, None
+
+
+def _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens=None):
+    """The normalised forward in one walk: (out, final_state (B, H, D, E + 1), d + eps (B, H, T))."""
+    denominator = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    o, final_state = _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config,
+                             cu_seqlens=cu_seqlens, denominator=denominator, eps=eps)
+    return o, final_state, denominator
+
+
+def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
+                                   cu_seqlens, needs_input_grad):
+    """The normalised backward as the plain backward's three walks of the product with the ones
+    column made real: out_t = n_t / (d_t + eps), where [n_t, d_t] is the plain product of q, k and
+    [v, 1], has the output gradient [g_t, r_t], g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t).
+    The walks then add the denominator's terms themselves (dq_t gets r_t z_t, dk_s the sum of
+    r_t q_t over t >= s, dS_0 its z column), packed sequences and initial states included; the
+    extra column costs the cost of E + 1 values. float16 runs in float32: g falls below float16's
+    normal range once d_t is a few thousand."""
+    needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
+    work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    g = (grad_o.float() / denominator[..., None]).to(work_dtype)
+    r = -(g.float() * o.float()).sum(-1, keepdim=True)  # from the g the walks see
+    grad_augmented = torch.cat([g, r.to(work_dtype)], dim=-1)
+    q_w, k_w = q.to(work_dtype), k.to(work_dtype)
+    v_augmented = torch.cat([v.to(work_dtype), v.new_ones((*v.shape[:-1], 1), dtype=work_dtype)], dim=-1)
+    dq = dk = dv = ds0 = None
+    if needs_q:  # dq_t = S_t g_t + r_t z_t, from [S_0; z_0]^T
+        s0_t = initial_state.mT if initial_state is not None else None
+        dq, _ = _launch(grad_augmented, v_augmented, k_w, s0_t, reverse=False, store_final_state=False,
+                        config=config, cu_seqlens=cu_seqlens)
+        dq = dq.to(q.dtype)
+    if needs_k:  # dk_s = P_s v_s + dz_s, dz_s = G_z + sum_{t >= s} r_t q_t
+        g_t = grad_final_state.mT if grad_final_state is not None else None
+        dk, _ = _launch(v_augmented, grad_augmented, q_w, g_t, reverse=True, store_final_state=False,
+                        config=config, cu_seqlens=cu_seqlens)
+        dk = dk.to(k.dtype)
+    if needs_v or needs_initial_state:  # dv_s = P_s^T k_s; the final state is [dS_0, dz_0]
+        dv, ds0 = _launch(k_w, q_w, grad_augmented, grad_final_state, reverse=True,
+                          store_final_state=needs_initial_state, config=config, cu_seqlens=cu_seqlens)
+        dv = dv[..., :-1].to(v.dtype)
+    return dq, dk, dv if needs_v else None, ds0
+
+
+class _RecurrentNormalizedAttention(torch.autograd.Function):
+    """Forward: one walk. Backward: the plain backward's walks on [v, 1] and [g, r]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens):
+        ctx.set_materialize_grads(False)
+        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens)
+        ctx.save_for_backward(q, k, v, initial_state, o, denominator, cu_seqlens)
+        ctx.config = config
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, initial_state, o, denominator, cu_seqlens = ctx.saved_tensors
+        if grad_o is None:  # only the final state was used
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv, ds0 = _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o,
+                                                         grad_final_state, ctx.config, cu_seqlens,
+                                                         ctx.needs_input_grad[:4])
+        return dq, dk, dv, ds0, None, None, None
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -566,13 +730,14 @@ def check_cu_seqlens(q, cu_seqlens):
         raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
 
 
-def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None):
+def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None, *, normalized=False):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
-    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
+    dense floating (B, H, D, E) tensor on their device ((B, H, D, E + 1) when ``normalized``).
+    cu_seqlens: None, or the offsets of N sequences packed along T (``check_cu_seqlens``); the
+    states are then (N, H, D, E) (E + 1 when ``normalized``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -633,9 +798,12 @@ def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
         if cu_seqlens is None:
-            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+            expected = (*q.shape[:2], D, E + normalized)
+            layout = "(B, H, D, E + 1), z as the last column," if normalized else "(B, H, D, E)"
         else:  # one state per packed sequence
-            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
+            expected = (cu_seqlens.shape[0] - 1, q.shape[1], D, E + normalized)
+            layout = ("(N, H, D, E + 1) with cu_seqlens, z as the last column," if normalized
+                      else "(N, H, D, E) with cu_seqlens")
         if tuple(initial_state.shape) != expected:
             raise ValueError(
                 f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
@@ -700,3 +868,48 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config,
                    cu_seqlens=cu_seqlens)
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def recurrent_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, cu_seqlens=None):
+    """Normalised causal linear attention of features q, k (the feature map already applied):
+    out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
+    numerator and denominator accumulated in float32 in one walk. eps (finite, >= 0) is added
+    once, to q_t^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
+    ``recurrent_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
+    packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
+    final_state float32 in the initial state's layout. Differentiable in q, k, v and
+    initial_state, for E up to ``NORMALIZED_BACKWARD_MAX_VALUE_DIM``."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
+    _check_eps(eps)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens)
+
+
+#: The normalised backward walks E + 1 columns (values and the ones column): E at most this.
+NORMALIZED_BACKWARD_MAX_VALUE_DIM = MAX_HEAD_DIM - 1
+
+
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None):
+    """``recurrent_normalized_attention`` for inputs, eps included, already checked."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        if v.shape[-1] > NORMALIZED_BACKWARD_MAX_VALUE_DIM:
+            raise ValueError(
+                f"method 'recurrent' normalises with a gradient for E up to {NORMALIZED_BACKWARD_MAX_VALUE_DIM} "
+                f"(its backward walks the values with a ones column); got E={v.shape[-1]}. Use method "
+                "'chunked', or run without a gradient")
+        return _RecurrentNormalizedAttention.apply(q, k, v, initial_state, eps, config, cu_seqlens)
+    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens)
+    return o, final_state
