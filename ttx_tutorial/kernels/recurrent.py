@@ -83,16 +83,18 @@ def recurrent_tokens_kernel(
     initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
     final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
-    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
-    eps,  # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
+    # Last, so that the plain kernels' parameters keep their places (ptxas allocates registers
+    # differently when they move, though nothing else changes).
+    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
+    eps,  # NORMALIZE: added once to each denominator
     BLOCK_D: tl.constexpr,  # power of two >= D: the whole key dimension
     BLOCK_E: tl.constexpr,  # value columns handled by this program
     COLS: tl.constexpr,  # value columns per thread (divides BLOCK_E)
@@ -219,17 +221,16 @@ def recurrent_blocks_kernel(
     initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
     final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
-    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
     has_initial_state, store_final_state,  # 0 or 1
-    eps,  # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     stride_o_split,  # with several key blocks, o is float32 (key blocks, B, H, T, E): block j's part at j * this
+    denominator_ptr, eps,  # as in recurrent_tokens_kernel
     BLOCK_D: tl.constexpr,  # key rows of the state per program (power of two)
     BLOCK_E: tl.constexpr,  # value columns per program
     BLOCK_T: tl.constexpr,  # steps of the walk handled at once
@@ -550,16 +551,16 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
     unused = _no_state(q.device)
     s0 = initial_state if initial_state is not None else unused
-    pointers = (s0, final_state if store_final_state else unused, unused if cu_seqlens is None else cu_seqlens,
-                denominator if normalize else unused)
-    arguments = (T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state), float(eps),
+    pointers = (s0, final_state if store_final_state else unused, unused if cu_seqlens is None else cu_seqlens)
+    arguments = (T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state),
                  *q.stride(), *k.stride(), *v.stride())
+    normalizer = (denominator if normalize else unused, float(eps))
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     if cfg["WALK"] == "tokens":
         grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
         with _launch_guard():
             recurrent_tokens_kernel[grid](
-                q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides,
+                q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides, *normalizer,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
                 NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -573,7 +574,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     with _launch_guard():
         recurrent_blocks_kernel[grid](
             q, k, v, parts, *pointers, *arguments, *parts.stride()[1:], *s0_strides,
-            parts.stride(0) if key_blocks > 1 else 0,
+            parts.stride(0) if key_blocks > 1 else 0, *normalizer,
             BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"], NUM_STAGES=cfg["num_stages"],
             IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
