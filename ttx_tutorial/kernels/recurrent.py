@@ -16,6 +16,10 @@ Backward: the same kernels, three launches. With dO the gradient of o and G that
 dq = forward walk of (dO, v, k) from S_0^T; dk = reverse walk of (v, dO, q) from G^T;
 dv = reverse walk of (k, q, dO) from G, whose final state is dS_0. The direction and the state
 flags are runtime integers, so one compiled kernel per tile configuration serves all four.
+``NORMALIZE`` (``recurrent_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last); the blocks walk then holds
+all of D. Its backward is the plain one of q, k, [v, 1] with dO' = [g, r], g_t = dO_t / (q_t . z_t
++ eps), r_t = -(g_t . out_t): the three walks on E + 1 columns (g and r in PyTorch).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
@@ -24,7 +28,8 @@ products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, 
 of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
 sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included).
+and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included;
+``NORMALIZE`` compiled with Triton 3.9, not yet run on a GPU).
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
@@ -61,20 +66,18 @@ def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
 
 
 @triton.jit
-def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, denominator_ptr, mask_col, mask_row,
-                      mask_denominator, eps):
-    """_token with the normaliser: z += k, o = S^T q / (q . z + eps), d + eps stored where
-    ``mask_denominator`` holds. z is a [BLOCK_D, GROUPS, 1] tile laid out as k, so that it needs
-    no layout of its own; every group holds the same z and the same denominator."""
+def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, eps):
+    """_token with the normaliser: z += k, o = S^T q / (q . z + eps); returns (S, z, d + eps).
+    z is a [BLOCK_D, GROUPS, 1] tile in k's layout (every group holds the same z), and d + eps
+    a [1, GROUPS, 1] row, all groups equal."""
     b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
     b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
     b_state += b_k * b_v
     b_z += b_k
-    b_denominator = tl.sum(b_z * b_q, axis=0, keep_dims=True) + eps  # [1, GROUPS, 1]
+    b_denominator = tl.sum(b_z * b_q, axis=0, keep_dims=True) + eps
     b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True) / b_denominator
     tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
-    tl.store(denominator_ptr, b_denominator, mask=mask_denominator)
-    return b_state, b_z
+    return b_state, b_z, b_denominator
 
 
 @triton.jit
@@ -149,15 +152,21 @@ def recurrent_tokens_kernel(
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
+    offs_u = tl.arange(0, UNROLL)
     if NORMALIZE:
-        # z in k's layout; d_t + eps belongs to no value block: the first block's first group stores it.
+        # z as k (see _normalized_token). d_t + eps belongs to no value block: the first block
+        # stores it, from the first element of its row, once per iteration (a store per token
+        # holds the registers of its pointers and masks, UNROLL times: 60 more at D = 64; a
+        # [UNROLL, GROUPS, 1] block instead of the rows' shape, 17 more at D = 128).
         b_z = tl.zeros([BLOCK_D, GROUPS, 1], dtype=tl.float32)
         if has_initial_state:
-            b_z = tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + d_tile * stride_s0d
-                          + E * stride_s0e, mask=d_tile < D, other=0.0)
-        offs_g = tl.arange(0, GROUPS)[None, :, None]
-        mask_denominator = offs_g + pid_e == 0  # group 0 of value block 0
-        denominator_tile_ptr = denominator_ptr + first + offs_g * 0
+            z0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + E * stride_s0e
+            for d in range(0, D):  # row by row, as the state
+                b_z += tl.where(offs_d[:, None, None] == d, tl.load(z0_row_ptr + d * stride_s0d), 0.0)
+        offs_row = (tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :])[None, :, :]
+        mask_denominator = offs_row + pid_e == 0  # element 0 of value block 0
+        denominator_ptr += first
+        denominator_block_ptr = denominator_ptr + (direction * offs_u)[:, None, None] + offs_row * 0
     q_col_ptr = q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
     k_col_ptr = k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
     v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
@@ -167,7 +176,6 @@ def recurrent_tokens_kernel(
     step_k = direction * stride_kt
     step_v = direction * stride_vt
     step_o = direction * stride_ot
-    offs_u = tl.arange(0, UNROLL)
     # Whole iterations need no sequence mask; the last T % UNROLL tokens run one by one below.
     T_full = T - T % UNROLL
     for _ in tl.range(0, T_full, UNROLL, num_stages=NUM_STAGES):
@@ -175,12 +183,15 @@ def recurrent_tokens_kernel(
         b_v_block = tl.load(v_row_ptr + offs_u[:, None, None] * step_v, mask=mask_row, other=0.0).to(tl.float32)
         # Unrolled: the loads do not depend on the state, so they can all be in flight together;
         # only the state update chains from token to token.
+        if NORMALIZE:
+            b_denominator_block = tl.zeros([UNROLL, GROUPS, COLS], dtype=tl.float32)
         for j in tl.static_range(UNROLL):
             b_v = tl.sum(tl.where(offs_u[:, None, None] == j, b_v_block, 0.0), axis=0, keep_dims=True)
             if NORMALIZE:
-                b_state, b_z = _normalized_token(b_state, b_z, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
-                                                 o_row_ptr + j * step_o, denominator_tile_ptr + j * direction,
-                                                 mask_col, mask_row, mask_denominator, eps)
+                b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr + j * step_q,
+                                                                k_col_ptr + j * step_k, b_v, o_row_ptr + j * step_o,
+                                                                mask_col, mask_row, eps)
+                b_denominator_block = tl.where(offs_u[:, None, None] == j, b_denominator, b_denominator_block)
             else:
                 b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
                                  o_row_ptr + j * step_o, mask_col, mask_row)
@@ -189,13 +200,16 @@ def recurrent_tokens_kernel(
         v_row_ptr += UNROLL * step_v
         o_row_ptr += UNROLL * step_o
         if NORMALIZE:
-            denominator_tile_ptr += UNROLL * direction
+            tl.store(denominator_block_ptr, b_denominator_block, mask=mask_denominator)
+            denominator_block_ptr += UNROLL * direction
+            denominator_ptr += UNROLL * direction
     for _ in range(T_full, T):
         b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
         if NORMALIZE:
-            b_state, b_z = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, denominator_tile_ptr,
-                                             mask_col, mask_row, mask_denominator, eps)
-            denominator_tile_ptr += direction
+            b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
+                                                            mask_col, mask_row, eps)
+            tl.store(denominator_ptr + offs_row * 0, b_denominator, mask=mask_denominator)
+            denominator_ptr += direction
         else:
             b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
         q_col_ptr += step_q
@@ -211,8 +225,10 @@ def recurrent_tokens_kernel(
                           + offs_e[None, :, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
         if NORMALIZE:
-            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + d_tile * width + E, b_z,
-                     mask=(d_tile < D) & mask_denominator)
+            # From element 0 of the first block's rows, like d_t + eps.
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None, None] * width + E
+                     + offs_row * 0, tl.broadcast_to(b_z, (BLOCK_D, GROUPS, COLS)),
+                     mask=mask_d[:, None, None] & mask_denominator)
 
 
 @triton.jit
@@ -422,8 +438,9 @@ def _blocks_config(D: int) -> dict:
 
 def _normalized_blocks_config(D: int) -> dict:
     """The blocks walk's rule when it normalises: the denominator sums over the whole key
-    dimension, so one program holds all of it, with 16 steps a block for the larger tiles."""
-    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_T": 16}
+    dimension, so one program holds all of it, with 8 steps a block (16 spill at D = 64: the
+    keys' prefix sum for the denominator needs registers of its own)."""
+    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_T": 8}
 
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
