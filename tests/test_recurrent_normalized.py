@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import ttx_tutorial
 from ttx_tutorial.kernels import recurrent
-from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error
+from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error,
+                                  run_python)
 from test_attention import (FEATURE_MAPS, NORMALISED_BF16_DQ_TOLERANCE, attention64, attention64_by_chunks,
                             check_gradients, float64, reference_attention, reference_gradients,
                             reference_with_state, state_after_prefix)
@@ -240,3 +241,54 @@ def test_gpu_65536_tokens_match_float64(dtype, walk):
         tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[dtype]
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+
+
+# Compiled for the GPU, on any machine -------------------------------------------------------
+
+@pytest.mark.parametrize("walk, B, H", [("tokens", 8, 16), ("blocks", 1, 8)])
+def test_default_bf16_normalised_launch_pipelines_its_loads_without_spills(walk, B, H):
+    """The NORMALIZE forward as launched on aligned (B, H, 4096, 64) bf16 tensors with an
+    initial state, compiled for sm_90 (the rule's walk for many and for few heads): every load
+    of the main loop is an asynchronous copy, and nothing spills (ptxas' STACK)."""
+    result = run_python(f"""
+        import os, re, subprocess, tempfile
+        import torch, triton
+        import ttx_tutorial
+        from ttx_tutorial.course import compiler
+        from ttx_tutorial.kernels import recurrent
+
+        kernel = recurrent.recurrent_{walk}_kernel
+        launches = []
+        kernel.run = lambda *args, grid, warmup, **kwargs: launches.append((args, kwargs))
+        q, k, v = (torch.zeros({B}, {H}, 4096, 64, dtype=torch.bfloat16) for _ in range(3))
+        recurrent._run_normalized_validated(q, k, v, torch.zeros({B}, {H}, 64, 65), 1e-6)
+        del kernel.run
+        (args, kwargs), = launches
+        assert kwargs["NORMALIZE"], kwargs
+        compiled = compiler.compile_launch(kernel, *args, target="sm_90", **kwargs)
+        assert compiled.ok, compiled.summary()
+        lines = compiled.asm["ttgir"].splitlines()
+
+        def loop_body(start):
+            indent = len(lines[start]) - len(lines[start].lstrip())
+            end = next(i for i in range(start + 1, len(lines))
+                       if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+            return "\\n".join(lines[start:end])
+
+        # The main loop: the one with the most reductions.
+        loop = max((loop_body(i) for i, line in enumerate(lines) if "scf.for" in line),
+                   key=lambda body: body.count('"tt.reduce"'))
+        print("plain loads in the loop:", loop.count("tt.load "))
+        print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        print("resources:", re.search(r"REG:\\d+ STACK:\\d+", usage).group(0))
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stdout
+    assert "plain loads in the loop: 0" in report, report
+    assert "asynchronous copies in the loop: 0" not in report, report
+    assert "STACK:0" in report, report

@@ -436,11 +436,12 @@ def _blocks_config(D: int) -> dict:
             "num_stages": 3}
 
 
-def _normalized_blocks_config(D: int) -> dict:
+def _normalized_blocks_config(D: int, dtype: torch.dtype) -> dict:
     """The blocks walk's rule when it normalises: the denominator sums over the whole key
     dimension, so one program holds all of it, with 8 steps a block (16 spill at D = 64: the
-    keys' prefix sum for the denominator needs registers of its own)."""
-    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_T": 8}
+    keys' prefix sum for the denominator needs registers of its own) and 16 bytes of v a step
+    (the pipeliner leaves a v block of 8 x 4 16-bit values to a plain load)."""
+    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_E": 16 // dtype.itemsize, "BLOCK_T": 8}
 
 
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
@@ -512,7 +513,7 @@ def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
     if normalized and chosen["WALK"] == "blocks":
-        chosen = _normalized_blocks_config(D)
+        chosen = _normalized_blocks_config(D, q.dtype)
     if config is None:
         return chosen
     # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
@@ -523,8 +524,8 @@ def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
         raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
                          f"{WALK_KEYS[walk]}")
     if walk != chosen["WALK"]:  # the other walk's rule as the base
-        blocks_rule = _normalized_blocks_config if normalized else _blocks_config
-        chosen = blocks_rule(D) if walk == "blocks" else _tokens_config(D, q.dtype)
+        blocks_rule = _normalized_blocks_config(D, q.dtype) if normalized else _blocks_config(D)
+        chosen = blocks_rule if walk == "blocks" else _tokens_config(D, q.dtype)
     chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
         groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
