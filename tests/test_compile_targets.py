@@ -85,25 +85,21 @@ def wrapper_calls(module):
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
             normalized=False):
-        # recurrent's normalised backward walks E + 1 columns: wider values run the forward alone.
-        backward = not normalized or E <= getattr(module, "NORMALIZED_BACKWARD_MAX_VALUE_DIM", E)
-
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
-            q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=backward)
-            k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=backward)
-            v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=backward)
+            q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
+            k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
+            v = torch.empty(B, H, T, E, dtype=dtype, requires_grad=True)
             packed = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=offsets_dtype)
             states = B if cu_seqlens is None else len(cu_seqlens) - 1
-            s0 = (torch.empty(states, H, D, E + normalized, dtype=torch.float32, requires_grad=backward)
+            s0 = (torch.empty(states, H, D, E + normalized, dtype=torch.float32, requires_grad=True)
                   if with_state else None)
             if normalized:  # the states carry z as an extra column
                 packing = {} if packed is None else {"cu_seqlens": packed}
                 o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing)
             else:
                 o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
-            if backward:
-                torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
+            torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
                 "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized}
         calls.append((call, thunk))

@@ -68,7 +68,8 @@ def test_method_recurrent_normalises_in_the_kernel(monkeypatch):
 WALKS = {
     "tokens, 3 value blocks": (torch.float32, 12, 10, {"WALK": "tokens", "BLOCK_E": 4, "COLS": 2, "UNROLL": 2}),
     "tokens, 1 column a program": (torch.bfloat16, 8, 2, {"WALK": "tokens", "BLOCK_E": 1, "UNROLL": 8}),
-    "blocks, 3 value blocks": (torch.float32, 12, 10, {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8}),
+    # The backward's dq and dk walks split their keys (E = 20) over two blocks of 16.
+    "blocks, 5 value blocks": (torch.float32, 12, 20, {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8}),
     "blocks, rule's block sizes": (torch.float16, 20, 6, {"WALK": "blocks"}),
 }
 
@@ -189,15 +190,18 @@ def test_long_sequence_stays_finite(dtype):
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
 
 
-def test_widest_values_normalise_without_a_gradient():
-    """E = 256: the forward walk normalises in the kernel; the backward, which walks E + 1
-    columns, is refused with its limit."""
-    q, k, v = random_inputs(1, 1, 6, 4, 256)
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent")
+def test_widest_values_normalise_with_gradients():
+    """E = 256, where a ones column would not fit (E + 1 values): the walks carry the
+    normaliser beside the state, forward and backward."""
+    q, k, v = random_inputs(1, 1, 6, 4, 256, requires_grad=True)
+    with poisoned_allocations():
+        out = ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent")
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
     expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
     assert_close(out, expected, torch.float32)
-    with pytest.raises(ValueError, match="E up to 255 .* got E=256"):
-        ttx_tutorial.causal_linear_attention(q.requires_grad_(), k, v, method="recurrent")
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
+        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
 
 
 def test_errors_are_named():

@@ -81,10 +81,30 @@ def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_c
 
 
 @triton.jit
+def _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr, r, mask_col, mask_row,
+                    NORMALIZER_GRADIENT: tl.constexpr):
+    """_token plus the denominator's term of a normalised backward walk, r = r_t this token's
+    denominator gradient: the dq walk (1) sums the v rows (k_t: z_t) and adds r_t z_t; the dk walk
+    (2) sums r_t times the v rows (q_t: dz_t) and adds dz_t."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_state += b_k * b_v
+    b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True)
+    if NORMALIZER_GRADIENT == 1:
+        b_row_sum += b_v
+        b_o += r * b_row_sum
+    else:
+        b_row_sum += r * b_v
+        b_o += b_row_sum
+    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    return b_state, b_row_sum
+
+
+@triton.jit
 def recurrent_tokens_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E), (B, H, T, E)
-    initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (see NORMALIZE and NORMALIZER_GRADIENT); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (as the initial state), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
@@ -96,7 +116,7 @@ def recurrent_tokens_kernel(
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     # Last, so that the plain kernels' parameters keep their places (ptxas allocates registers
     # differently when they move, though nothing else changes).
-    denominator_ptr,  # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
+    normalizer_ptr,  # (B, H, T) float32, contiguous: NORMALIZE writes d_t + eps, NORMALIZER_GRADIENT reads r_t
     eps,  # NORMALIZE: added once to each denominator
     BLOCK_D: tl.constexpr,  # power of two >= D: the whole key dimension
     BLOCK_E: tl.constexpr,  # value columns handled by this program
@@ -105,6 +125,9 @@ def recurrent_tokens_kernel(
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
     IS_VARLEN: tl.constexpr,  # q, k, v, o hold B sequences packed along T of one batch row
     NORMALIZE: tl.constexpr,  # divide o_t by d_t + eps, d_t = q_t . z_t, z_t = z_0 + sum_{s<=t} k_s
+    # 0, or a walk of the normalised backward (see the header), whose states have one row more,
+    # row D (z_0, or G's z column): 1, dq, adds r_t z_t; 2, dk, adds G_z + sum of r_s q_s (s >= t)
+    NORMALIZER_GRADIENT: tl.constexpr,
 ):
     """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
@@ -120,15 +143,15 @@ def recurrent_tokens_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
-        if NORMALIZE:  # T is still the packed row's length here
-            denominator_ptr += h * T + bos
+        if NORMALIZE or NORMALIZER_GRADIENT != 0:  # T is still the packed row's length here
+            normalizer_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
-    elif NORMALIZE:
-        denominator_ptr += (b * H + h) * T
+    elif NORMALIZE or NORMALIZER_GRADIENT != 0:
+        normalizer_ptr += (b * H + h) * T
 
     # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)
@@ -165,8 +188,14 @@ def recurrent_tokens_kernel(
                 b_z += tl.where(offs_d[:, None, None] == d, tl.load(z0_row_ptr + d * stride_s0d), 0.0)
         offs_row = (tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :])[None, :, :]
         mask_denominator = offs_row + pid_e == 0  # element 0 of value block 0
-        denominator_ptr += first
-        denominator_block_ptr = denominator_ptr + (direction * offs_u)[:, None, None] + offs_row * 0
+        normalizer_ptr += first
+        denominator_block_ptr = normalizer_ptr + (direction * offs_u)[:, None, None] + offs_row * 0
+    if NORMALIZER_GRADIENT != 0:
+        b_row_sum = tl.zeros([1, GROUPS, COLS], dtype=tl.float32)  # z_t or dz_t, in v's row layout
+        if has_initial_state:
+            b_row_sum += tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + D * stride_s0d
+                                 + offs_e[None, :, :] * stride_s0e, mask=mask_row, other=0.0)
+        normalizer_ptr += first
     q_col_ptr = q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
     k_col_ptr = k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
     v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
@@ -192,6 +221,10 @@ def recurrent_tokens_kernel(
                                                                 k_col_ptr + j * step_k, b_v, o_row_ptr + j * step_o,
                                                                 mask_col, mask_row, eps)
                 b_denominator_block = tl.where(offs_u[:, None, None] == j, b_denominator, b_denominator_block)
+            elif NORMALIZER_GRADIENT != 0:
+                b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr + j * step_q, k_col_ptr + j * step_k,
+                                                     b_v, o_row_ptr + j * step_o, tl.load(normalizer_ptr + j * direction),
+                                                     mask_col, mask_row, NORMALIZER_GRADIENT)
             else:
                 b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
                                  o_row_ptr + j * step_o, mask_col, mask_row)
@@ -202,14 +235,20 @@ def recurrent_tokens_kernel(
         if NORMALIZE:
             tl.store(denominator_block_ptr, b_denominator_block, mask=mask_denominator)
             denominator_block_ptr += UNROLL * direction
-            denominator_ptr += UNROLL * direction
+            normalizer_ptr += UNROLL * direction
+        if NORMALIZER_GRADIENT != 0:
+            normalizer_ptr += UNROLL * direction
     for _ in range(T_full, T):
         b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
         if NORMALIZE:
             b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
                                                             mask_col, mask_row, eps)
-            tl.store(denominator_ptr + offs_row * 0, b_denominator, mask=mask_denominator)
-            denominator_ptr += direction
+            tl.store(normalizer_ptr + offs_row * 0, b_denominator, mask=mask_denominator)
+            normalizer_ptr += direction
+        elif NORMALIZER_GRADIENT != 0:
+            b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
+                                                 tl.load(normalizer_ptr), mask_col, mask_row, NORMALIZER_GRADIENT)
+            normalizer_ptr += direction
         else:
             b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
         q_col_ptr += step_q
@@ -219,14 +258,20 @@ def recurrent_tokens_kernel(
 
     if store_final_state:
         width = E  # of a state row: E + 1 when z is its last column
+        state_rows = D  # D + 1 when z or dz is the last row
         if NORMALIZE:
             width = E + 1
-        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None, None] * width
+        if NORMALIZER_GRADIENT != 0:
+            state_rows = D + 1
+        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width
                           + offs_e[None, :, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
+        if NORMALIZER_GRADIENT != 0:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + D * width + offs_e[None, :, :], b_row_sum,
+                     mask=mask_row)
         if NORMALIZE:
             # From element 0 of the first block's rows, like d_t + eps.
-            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None, None] * width + E
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width + E
                      + offs_row * 0, tl.broadcast_to(b_z, (BLOCK_D, GROUPS, COLS)),
                      mask=mask_d[:, None, None] & mask_denominator)
 
@@ -234,8 +279,8 @@ def recurrent_tokens_kernel(
 @triton.jit
 def recurrent_blocks_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
-    initial_state_ptr,  # (B, H, D, E), float32 (E + 1 columns, z last, when NORMALIZE); read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E) (E + 1 when NORMALIZE), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (see NORMALIZE and NORMALIZER_GRADIENT); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (as the initial state), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
@@ -246,13 +291,14 @@ def recurrent_blocks_kernel(
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     stride_o_split,  # with several key blocks, o is float32 (key blocks, B, H, T, E): block j's part at j * this
-    denominator_ptr, eps,  # as in recurrent_tokens_kernel
+    normalizer_ptr, eps,  # as in recurrent_tokens_kernel
     BLOCK_D: tl.constexpr,  # key rows of the state per program (power of two)
     BLOCK_E: tl.constexpr,  # value columns per program
     BLOCK_T: tl.constexpr,  # steps of the walk handled at once
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the block loop
     IS_VARLEN: tl.constexpr,  # as in recurrent_tokens_kernel
     NORMALIZE: tl.constexpr,  # as in recurrent_tokens_kernel; needs the whole key dimension (BLOCK_D >= D)
+    NORMALIZER_GRADIENT: tl.constexpr,  # as in recurrent_tokens_kernel
 ):
     """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
     # One flat grid: value block fastest, then key block, then (batch, head).
@@ -267,15 +313,15 @@ def recurrent_blocks_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
-        if NORMALIZE:
-            denominator_ptr += h * T + bos
+        if NORMALIZE or NORMALIZER_GRADIENT != 0:
+            normalizer_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
-    elif NORMALIZE:
-        denominator_ptr += (b * H + h) * T
+    elif NORMALIZE or NORMALIZER_GRADIENT != 0:
+        normalizer_ptr += (b * H + h) * T
 
     offs_i = tl.arange(0, BLOCK_T)  # step i0 + i of the walk is row i of a block
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -296,6 +342,11 @@ def recurrent_blocks_kernel(
         if has_initial_state:
             b_z = tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_d * stride_s0d + E * stride_s0e,
                           mask=mask_d, other=0.0)
+    if NORMALIZER_GRADIENT != 0:  # z_t or dz_t (see recurrent_tokens_kernel); key block 0 adds its term
+        b_row_sum = tl.zeros([BLOCK_E], dtype=tl.float32)
+        if has_initial_state:
+            b_row_sum += tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + D * stride_s0d
+                                 + offs_e * stride_s0e, mask=mask_e, other=0.0)
 
     # Step i reads token first + direction * i (tl.cast: see recurrent_tokens_kernel). The offsets
     # within a block are 32-bit: 64-bit ones for every element would double the registers of
@@ -309,8 +360,10 @@ def recurrent_blocks_kernel(
     o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + input_b * stride_ob + h * stride_oh + first * stride_ot)
                    + rows * stride_ot + offs_e[None, :] * stride_oe)
     if NORMALIZE:
-        denominator_block_ptr = denominator_ptr + first + direction * offs_i
+        denominator_block_ptr = normalizer_ptr + first + direction * offs_i
         stored_tokens = tl.where(pid_e == 0, T, 0)  # d_t + eps and z belong to no value block
+    if NORMALIZER_GRADIENT != 0:
+        r_block_ptr = normalizer_ptr + first + direction * offs_i
     for i0 in tl.range(0, T, BLOCK_T, num_stages=NUM_STAGES):
         mask_i = i0 + offs_i < T  # rows past the end load zeros: they add nothing to the state
         b_k = tl.load(k_block_ptr, mask=mask_i[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
@@ -329,6 +382,18 @@ def recurrent_blocks_kernel(
             tl.store(denominator_block_ptr, b_denominator, mask=i0 + offs_i < stored_tokens)
             b_z += tl.sum(b_k, axis=0)
             denominator_block_ptr += direction * BLOCK_T
+        if NORMALIZER_GRADIENT != 0:
+            b_r = tl.load(r_block_ptr, mask=mask_i, other=0.0)
+            if NORMALIZER_GRADIENT == 1:  # z_t = the row sum so far plus the block's v rows up to t
+                b_row_sums = b_row_sum[None, :] + tl.cumsum(b_v, axis=0)
+                b_term = b_r[:, None] * b_row_sums
+                b_row_sum += tl.sum(b_v, axis=0)
+            else:  # dz_t likewise, of r_t v_t
+                b_rv = b_r[:, None] * b_v
+                b_term = b_row_sum[None, :] + tl.cumsum(b_rv, axis=0)
+                b_row_sum += tl.sum(b_rv, axis=0)
+            b_o += tl.where(pid_d == 0, b_term, 0.0)
+            r_block_ptr += direction * BLOCK_T
         tl.store(o_block_ptr, b_o.to(o_block_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_e[None, :])
         b_state += tl.sum(b_kv, axis=0)
         q_block_ptr += direction * BLOCK_T * stride_qt
@@ -338,13 +403,20 @@ def recurrent_blocks_kernel(
 
     if store_final_state:
         width = E  # of a state row: E + 1 when z is its last column
+        state_rows = D  # D + 1 when z or dz is the last row
         if NORMALIZE:
             width = E + 1
-        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d[:, None] * width + offs_e[None, :]
+        if NORMALIZER_GRADIENT != 0:
+            state_rows = D + 1
+        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None] * width
+                          + offs_e[None, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
         if NORMALIZE:
-            tl.store(final_state_ptr + pid_bh.to(tl.int64) * D * width + offs_d * width + E, b_z,
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d * width + E, b_z,
                      mask=offs_d < tl.where(pid_e == 0, D, 0))
+        if NORMALIZER_GRADIENT != 0:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + D * width + offs_e, b_row_sum,
+                     mask=offs_e < tl.where(pid_d == 0, E, 0))
 
 
 #: The two walks: "tokens" (recurrent_tokens_kernel, one token per step) and "blocks"
@@ -550,11 +622,12 @@ def _no_state(device):
 
 
 def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None, denominator=None,
-            eps=0.0):
+            eps=0.0, gradient_walk=0, r=None):
     """One walk over the sequence. Returns (o, final_state or None). With ``cu_seqlens``, one
     walk per packed sequence, and the states are (N, H, D, E). With ``denominator``, a (B, H, T)
     float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
-    E + 1 columns, z last."""
+    E + 1 columns, z last. ``gradient_walk`` 1 or 2 with ``r``, (B, H, T) float32: a walk of the
+    normalised backward (NORMALIZER_GRADIENT), whose states have D + 1 rows."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     normalize = denominator is not None
@@ -562,7 +635,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     o = torch.empty((B, H, T, E), dtype=q.dtype, device=q.device)
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
-    final_state = (torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=q.device)
+    final_state = (torch.empty((B, H, D + (gradient_walk != 0), E + normalize), dtype=torch.float32, device=q.device)
                    if store_final_state else None)
     if B * H == 0:
         return o, final_state
@@ -572,7 +645,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     pointers = (s0, final_state if store_final_state else unused, unused if cu_seqlens is None else cu_seqlens)
     arguments = (T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state),
                  *q.stride(), *k.stride(), *v.stride())
-    normalizer = (denominator if normalize else unused, float(eps))
+    normalizer = (denominator if normalize else r if gradient_walk else unused, float(eps))
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     if cfg["WALK"] == "tokens":
         grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
@@ -581,7 +654,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
                 q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides, *normalizer,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
                 NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                NORMALIZER_GRADIENT=gradient_walk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
     key_blocks = -(-D // cfg["BLOCK_D"])
@@ -594,8 +667,8 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
             q, k, v, parts, *pointers, *arguments, *parts.stride()[1:], *s0_strides,
             parts.stride(0) if key_blocks > 1 else 0, *normalizer,
             BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"], NUM_STAGES=cfg["num_stages"],
-            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient_walk,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
@@ -647,42 +720,47 @@ def _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens=None):
     return o, final_state, denominator
 
 
-def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
-                                   cu_seqlens, needs_input_grad):
-    """The normalised backward as the plain backward's three walks of the product with the ones
-    column made real: out_t = n_t / (d_t + eps), where [n_t, d_t] is the plain product of q, k and
-    [v, 1], has the output gradient [g_t, r_t], g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t).
-    The walks then add the denominator's terms themselves (dq_t gets r_t z_t, dk_s the sum of
-    r_t q_t over t >= s, dS_0 its z column), packed sequences and initial states included; the
-    extra column costs the cost of E + 1 values. float16 runs in float32: g falls below float16's
-    normal range once d_t is a few thousand."""
+#: The normalised backward's walks that take the denominator's terms (NORMALIZER_GRADIENT).
+_DQ_WALK, _DK_WALK = 1, 2
+
+
+def _normalized_backward(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config, cu_seqlens,
+                         needs_input_grad):
+    """The normalised backward: out_t = n_t / (d_t + eps), n_t the plain product's output and
+    d_t = q_t . z_t, so n gets g_t = dO_t / (d_t + eps) and d gets r_t = -(g_t . out_t), both
+    made here (two elementwise passes). The plain walks run on g, and the dq and dk walks add
+    the denominator's terms as they go: dq_t += r_t z_t, and dk_s += dz_s = G_z + sum_{t>=s}
+    r_t q_t, whose last value is dz_0, the initial state's z gradient. float16 runs the walks
+    in float32: g falls below float16's normal range once d_t is a few thousand."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
+    E = v.shape[-1]
     work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     g = (grad_o.float() / denominator[..., None]).to(work_dtype)
-    r = -(g.float() * o.float()).sum(-1, keepdim=True)  # from the g the walks see
-    grad_augmented = torch.cat([g, r.to(work_dtype)], dim=-1)
-    q_w, k_w = q.to(work_dtype), k.to(work_dtype)
-    v_augmented = torch.cat([v.to(work_dtype), v.new_ones((*v.shape[:-1], 1), dtype=work_dtype)], dim=-1)
+    r = -(g.float() * o.float()).sum(-1)  # (B, H, T), from the g the walks see
+    q_w, k_w, v_w = q.to(work_dtype), k.to(work_dtype), v.to(work_dtype)
     dq = dk = dv = ds0 = None
-    if needs_q:  # dq_t = S_t g_t + r_t z_t, from [S_0; z_0]^T
+    if needs_q:  # dq_t = S_t g_t + r_t z_t, from [S_0; z_0]^T: z_0 is its row E
         s0_t = initial_state.mT if initial_state is not None else None
-        dq, _ = _launch(grad_augmented, v_augmented, k_w, s0_t, reverse=False, store_final_state=False,
-                        config=config, cu_seqlens=cu_seqlens)
+        dq, _ = _launch(g, v_w, k_w, s0_t, reverse=False, store_final_state=False, config=config,
+                        cu_seqlens=cu_seqlens, gradient_walk=_DQ_WALK, r=r)
         dq = dq.to(q.dtype)
-    if needs_k:  # dk_s = P_s v_s + dz_s, dz_s = G_z + sum_{t >= s} r_t q_t
+    if needs_k or needs_initial_state:  # dk_s = P_s v_s + dz_s, from [G; G_z]^T; its final row E is dz_0
         g_t = grad_final_state.mT if grad_final_state is not None else None
-        dk, _ = _launch(v_augmented, grad_augmented, q_w, g_t, reverse=True, store_final_state=False,
-                        config=config, cu_seqlens=cu_seqlens)
+        dk, dk_final = _launch(v_w, g, q_w, g_t, reverse=True, store_final_state=needs_initial_state, config=config,
+                               cu_seqlens=cu_seqlens, gradient_walk=_DK_WALK, r=r)
         dk = dk.to(k.dtype)
-    if needs_v or needs_initial_state:  # dv_s = P_s^T k_s; the final state is [dS_0, dz_0]
-        dv, ds0 = _launch(k_w, q_w, grad_augmented, grad_final_state, reverse=True,
-                          store_final_state=needs_initial_state, config=config, cu_seqlens=cu_seqlens)
-        dv = dv[..., :-1].to(v.dtype)
-    return dq, dk, dv if needs_v else None, ds0
+    if needs_v or needs_initial_state:  # dv_s = P_s^T k_s; the final state is dS_0
+        g_s = grad_final_state[..., :E] if grad_final_state is not None else None
+        dv, ds0 = _launch(k_w, q_w, g, g_s, reverse=True, store_final_state=needs_initial_state, config=config,
+                          cu_seqlens=cu_seqlens)
+        dv = dv.to(v.dtype)
+        if needs_initial_state:
+            ds0 = torch.cat([ds0, dk_final[..., E, :].unsqueeze(-1)], dim=-1)
+    return dq, dk if needs_k else None, dv if needs_v else None, ds0
 
 
 class _RecurrentNormalizedAttention(torch.autograd.Function):
-    """Forward: one walk. Backward: the plain backward's walks on [v, 1] and [g, r]."""
+    """Forward: one walk. Backward: three walks, the dq and dk ones with the denominator's terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens):
@@ -698,9 +776,8 @@ class _RecurrentNormalizedAttention(torch.autograd.Function):
         q, k, v, initial_state, o, denominator, cu_seqlens = ctx.saved_tensors
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros_like(o)
-        dq, dk, dv, ds0 = _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o,
-                                                         grad_final_state, ctx.config, cu_seqlens,
-                                                         ctx.needs_input_grad[:4])
+        dq, dk, dv, ds0 = _normalized_backward(q, k, v, initial_state, o, denominator, grad_o, grad_final_state,
+                                               ctx.config, cu_seqlens, ctx.needs_input_grad[:4])
         return dq, dk, dv, ds0, None, None, None
 
 
@@ -904,16 +981,12 @@ def recurrent_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, con
     ``recurrent_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
     packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
     final_state float32 in the initial state's layout. Differentiable in q, k, v and
-    initial_state, for E up to ``NORMALIZED_BACKWARD_MAX_VALUE_DIM``."""
+    initial_state."""
     check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
     _check_eps(eps)
     if initial_state is not None:
         initial_state = initial_state.float()
     return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens)
-
-
-#: The normalised backward walks E + 1 columns (values and the ones column): E at most this.
-NORMALIZED_BACKWARD_MAX_VALUE_DIM = MAX_HEAD_DIM - 1
 
 
 def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None):
@@ -924,11 +997,6 @@ def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        if v.shape[-1] > NORMALIZED_BACKWARD_MAX_VALUE_DIM:
-            raise ValueError(
-                f"method 'recurrent' normalises with a gradient for E up to {NORMALIZED_BACKWARD_MAX_VALUE_DIM} "
-                f"(its backward walks the values with a ones column); got E={v.shape[-1]}. Use method "
-                "'chunked', or run without a gradient")
         return _RecurrentNormalizedAttention.apply(q, k, v, initial_state, eps, config, cu_seqlens)
     o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens)
     return o, final_state
