@@ -14,13 +14,13 @@ The normaliser costs no pass of its own. The chunked kernel computes it (method 
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
 store, and the backward kernel takes the denominator's gradient in the same walks. The
-recurrent kernels do the same in their forward walk (method "recurrent"); their backward runs
-the plain walks on the values with a ones column. While ``torch.compile`` traces, "chunked"
-and "auto" are one operator, ``ttx_tutorial.ops``'s normalised product, which runs the
-chunked kernels; "recurrent" there takes the ones column. The other methods append a column of ones
-to v instead: the product then carries z_t as the last column of its float32 state, and its
-last output column is phi(q_t)^T z_t. Either way the state of the normalised attention is
-(B, H, D, E + 1) float32: S in the first E columns, z in the last.
+recurrent kernels do the same in their walks (method "recurrent"), forward and backward.
+While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
+normalised product, which runs the chunked kernels; "recurrent" there takes the ones column.
+The other methods append a column of ones to v instead: the product then carries z_t as the
+last column of its float32 state, and its last output column is phi(q_t)^T z_t. Either way the
+state of the normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in
+the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long

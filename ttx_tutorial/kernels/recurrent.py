@@ -18,8 +18,9 @@ dv = reverse walk of (k, q, dO) from G, whose final state is dS_0. The direction
 flags are runtime integers, so one compiled kernel per tile configuration serves all four.
 ``NORMALIZE`` (``recurrent_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last); the blocks walk then holds
-all of D. Its backward is the plain one of q, k, [v, 1] with dO' = [g, r], g_t = dO_t / (q_t . z_t
-+ eps), r_t = -(g_t . out_t): the three walks on E + 1 columns (g and r in PyTorch).
+all of D. Its backward runs the three walks on g_t = dO_t / (q_t . z_t + eps), and with
+``NORMALIZER_GRADIENT`` the dq and dk walks add the denominator's terms, r_t = -(g_t . out_t):
+r_t z_t to dq_t, dz_s = G_z + sum_{t>=s} r_t q_t to dk_s (z and dz carried as a state row).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
@@ -29,7 +30,7 @@ of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, progra
 sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included;
-``NORMALIZE`` compiled with Triton 3.9, not yet run on a GPU).
+``NORMALIZE``, ``NORMALIZER_GRADIENT`` compiled with Triton 3.9, not yet run on a GPU).
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
