@@ -14,7 +14,8 @@ The normaliser costs no pass of its own. The chunked kernel computes it (method 
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
 store, and the backward kernel takes the denominator's gradient in the same walks. The
-recurrent kernels do the same in their walks (method "recurrent"), forward and backward.
+recurrent kernels do the same in their walks (method "recurrent"), forward and backward (two
+elementwise passes first make the backward's dO_t / (d_t + eps) and the denominator's gradient).
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the chunked kernels; "recurrent" there takes the ones column.
 The other methods append a column of ones to v instead: the product then carries z_t as the
