@@ -15,8 +15,10 @@ import ttx_tutorial
 from ttx_tutorial.kernels import recurrent
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error,
                                   run_python)
-from test_attention import (FEATURE_MAPS, NORMALISED_BF16_DQ_TOLERANCE, attention64, attention64_by_chunks,
-                            check_gradients, float64, reference_attention, reference_gradients,
+from test_recurrent import _RECORD_AND_COMPILE
+from test_attention import (FEATURE_MAPS, NORMALISED_BF16_DQ_TOLERANCE, attention64_by_chunks,
+                            check_gradient_of_the_state_alone, check_gradients, check_gradients_of_values_far_from_zero,
+                            check_normalised_entry, reference_attention, reference_gradients,
                             reference_with_state, state_after_prefix)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -80,20 +82,7 @@ def test_walks_and_value_blocks_match_float64(walk, with_state):
     """The kernel file's entry on features: every value block's program computes its own
     denominator; out, state and the four gradients against float64."""
     dtype, D, E, config = WALKS[walk]
-    raw = random_inputs(1, 2, 19, D, E, dtype=dtype)
-    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
-    v = raw[2].requires_grad_()
-    s0 = state_after_prefix(1, 2, D, E, phi) if with_state else None
-    with poisoned_allocations():
-        out, state = recurrent.recurrent_normalized_attention(q, k, v, s0, eps=1e-3, config=config)
-        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
-        torch.autograd.backward((out, state), (grad_out, grad_state))
-    s0_reference = torch.zeros_like(state) if s0 is None else s0
-    expected_out, expected_state, *expected_grads = reference_with_state(
-        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=True)
-    assert_close(out, expected_out, dtype, f"{walk} output")
-    assert_close(state, expected_state, torch.float32, f"{walk} final (S, z)")
-    check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, walk)
+    check_normalised_entry(recurrent.recurrent_normalized_attention, dtype, 19, D, E, config, with_state, walk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -101,36 +90,13 @@ def test_gradients_of_values_far_from_zero(dtype):
     """Values of mean 3: r_t = -(g_t . out_t) then cancels most of dk's and dq's other terms, so
     a missing or misplaced term of the denominator shows at once (bfloat16's rounding of the
     output leaves too little of dq: see test_attention's test of the chunked kernel)."""
-    q, k, v = random_inputs(1, 2, 21, 8, 6, dtype=dtype)
-    q, k = (phi(x) for x in (q, k))
-    v = v + 3
-    for x in (q, k, v):
-        x.requires_grad_()
-    with poisoned_allocations():
-        out, _ = recurrent.recurrent_normalized_attention(q, k, v)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-    expected = reference_gradients(q, k, v, lambda x: x, True, 1e-6, grad_out)
-    for label, leaf, grad in zip("qkv", (q, k, v), expected):
-        if not (label == "q" and dtype != torch.float32):
-            assert_close(leaf.grad, grad, dtype, f"d{label}")
+    check_gradients_of_values_far_from_zero(recurrent.recurrent_normalized_attention, dtype, 21, 8, 6, None, "")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradient_of_the_state_alone(dtype):
     """Only the returned state is used: no output gradient reaches the backward."""
-    q, k, v = random_inputs(1, 2, 14, 8, 5, dtype=dtype, requires_grad=True)
-    s0 = state_after_prefix(1, 2, 8, 5, phi)
-    _, state = ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent", initial_state=s0,
-                                                    return_state=True)
-    grad_state = torch.randn_like(state)
-    state.backward(grad_state)
-    leaves = [float64(x).requires_grad_() for x in (q, k, v, s0)]
-    _, expected_state = attention64(*leaves[:3], phi, True, 1e-6, leaves[3])
-    expected = torch.autograd.grad(expected_state, leaves[1:], float64(grad_state))
-    assert q.grad is None or not q.grad.any()  # the state does not depend on q
-    for label, leaf, grad in zip(("k", "v", "initial state"), (k, v, s0), expected):
-        assert_close(leaf.grad, grad, dtype, f"d{label}")
+    check_gradient_of_the_state_alone("recurrent", dtype, 14, 8, 5)
 
 
 @pytest.mark.parametrize("walk", ["tokens", "blocks"])
@@ -254,13 +220,7 @@ def test_default_bf16_normalised_launch_pipelines_its_loads_without_spills(walk,
     """The NORMALIZE forward as launched on aligned (B, H, 4096, 64) bf16 tensors with an
     initial state, compiled for sm_90 (the rule's walk for many and for few heads): every load
     of the main loop is an asynchronous copy, and nothing spills (ptxas' STACK)."""
-    result = run_python(f"""
-        import os, re, subprocess, tempfile
-        import torch, triton
-        import ttx_tutorial
-        from ttx_tutorial.course import compiler
-        from ttx_tutorial.kernels import recurrent
-
+    result = run_python(_RECORD_AND_COMPILE + f"""
         kernel = recurrent.recurrent_{walk}_kernel
         launches = []
         kernel.run = lambda *args, grid, warmup, **kwargs: launches.append((args, kwargs))
@@ -271,25 +231,11 @@ def test_default_bf16_normalised_launch_pipelines_its_loads_without_spills(walk,
         assert kwargs["NORMALIZE"], kwargs
         compiled = compiler.compile_launch(kernel, *args, target="sm_90", **kwargs)
         assert compiled.ok, compiled.summary()
-        lines = compiled.asm["ttgir"].splitlines()
-
-        def loop_body(start):
-            indent = len(lines[start]) - len(lines[start].lstrip())
-            end = next(i for i in range(start + 1, len(lines))
-                       if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
-            return "\\n".join(lines[start:end])
-
         # The main loop: the one with the most reductions.
-        loop = max((loop_body(i) for i, line in enumerate(lines) if "scf.for" in line),
-                   key=lambda body: body.count('"tt.reduce"'))
+        loop = max(loop_bodies(compiled.asm["ttgir"]), key=lambda body: body.count('"tt.reduce"'))
         print("plain loads in the loop:", loop.count("tt.load "))
         print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        print("resources:", re.search(r"REG:\\d+ STACK:\\d+", usage).group(0))
+        print_resources(compiled)
     """)
     assert result.returncode == 0, result.stderr[-4000:]
     report = result.stdout
