@@ -138,22 +138,29 @@ def test_long_sequence_stays_finite(dtype):
     """Features of about 3 make phi(q).z pass float16's 65504 within 1024 tokens of 16 features:
     the plain product of the same features overflows, the normalised attention does not, and
     its gradients, whose dO / (d + eps) falls below float16's normal range, stay accurate."""
-    T, D = 1024, 16
-    q, k, v = random_inputs(1, 1, T, D, 8, dtype=torch.float64)
+    check_long_sequence_stays_finite("chunked", dtype, 1024, 8, LONG_BF16_DQ_TOLERANCE)
+
+
+def check_long_sequence_stays_finite(method, dtype, T, E, bf16_dq_tolerance):
+    """causal_linear_attention(method=...) on T tokens of 16 features of about 3, whose
+    denominator passes float16's range: the plain product of the same features overflows in
+    float16, the normalised attention stays finite and matches float64, gradients included (dq
+    in bfloat16 within ``bf16_dq_tolerance``)."""
+    q, k, v = random_inputs(1, 1, T, 16, E, dtype=torch.float64)
     q, k = (2 + q).to(dtype).requires_grad_(), (2 + k).to(dtype).requires_grad_()
     v = v.to(dtype).requires_grad_()
     phi = lambda x: F.elu(x) + 1  # noqa: E731
-    plain = ttx_tutorial.causal_product(phi(q.detach()), phi(k.detach()), torch.ones_like(v), method="chunked")
+    plain = ttx_tutorial.causal_product(phi(q.detach()), phi(k.detach()), torch.ones_like(v), method=method)
     if dtype == torch.float16:
         assert not torch.isfinite(plain).all(), "the check needs a denominator past float16's range"
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method=method)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     assert torch.isfinite(out).all()
     expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
     assert_close(out, expected, dtype)
     for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        tolerance = LONG_BF16_DQ_TOLERANCE if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
+        tolerance = bf16_dq_tolerance if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
 

@@ -17,7 +17,8 @@ from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations
                                   run_python)
 from test_recurrent import _RECORD_AND_COMPILE
 from test_attention import (FEATURE_MAPS, NORMALISED_BF16_DQ_TOLERANCE, attention64_by_chunks,
-                            check_gradient_of_the_state_alone, check_gradients, check_gradients_of_values_far_from_zero,
+                            check_gradient_of_the_state_alone, check_gradients,
+                            check_gradients_of_values_far_from_zero, check_long_sequence_stays_finite,
                             check_normalised_entry, reference_attention, reference_gradients,
                             reference_with_state, state_after_prefix)
 
@@ -137,23 +138,7 @@ def test_packed_sequences_match_each_sequence_alone(dtype, walk):
 def test_long_sequence_stays_finite(dtype):
     """Features of about 3 make phi(q).z pass float16's 65504 within 512 tokens of 16 features:
     the normalised walk keeps it in float32 and stays finite and accurate, gradients included."""
-    T, D = 512, 16
-    q, k, v = random_inputs(1, 1, T, D, 4, dtype=torch.float64)
-    q, k = (2 + q).to(dtype).requires_grad_(), (2 + k).to(dtype).requires_grad_()
-    v = v.to(dtype).requires_grad_()
-    plain = ttx_tutorial.causal_product(phi(q.detach()), phi(k.detach()), torch.ones_like(v), method="recurrent")
-    if dtype == torch.float16:
-        assert not torch.isfinite(plain).all(), "the check needs a denominator past float16's range"
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent")
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    assert torch.isfinite(out).all()
-    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
-    assert_close(out, expected, dtype)
-    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        tolerance = 1e-1 if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
-        error = relative_error(leaf.grad, grad)
-        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+    check_long_sequence_stays_finite("recurrent", dtype, 512, 4, 1e-1)
 
 
 def test_widest_values_normalise_with_gradients():
