@@ -138,22 +138,29 @@ def test_long_sequence_stays_finite(dtype):
     """Features of about 3 make phi(q).z pass float16's 65504 within 1024 tokens of 16 features:
     the plain product of the same features overflows, the normalised attention does not, and
     its gradients, whose dO / (d + eps) falls below float16's normal range, stay accurate."""
-    T, D = 1024, 16
-    q, k, v = random_inputs(1, 1, T, D, 8, dtype=torch.float64)
+    check_long_sequence_stays_finite("chunked", dtype, 1024, 8, LONG_BF16_DQ_TOLERANCE)
+
+
+def check_long_sequence_stays_finite(method, dtype, T, E, bf16_dq_tolerance):
+    """causal_linear_attention(method=...) on T tokens of 16 features of about 3, whose
+    denominator passes float16's range: the plain product of the same features overflows in
+    float16, the normalised attention stays finite and matches float64, gradients included (dq
+    in bfloat16 within ``bf16_dq_tolerance``)."""
+    q, k, v = random_inputs(1, 1, T, 16, E, dtype=torch.float64)
     q, k = (2 + q).to(dtype).requires_grad_(), (2 + k).to(dtype).requires_grad_()
     v = v.to(dtype).requires_grad_()
     phi = lambda x: F.elu(x) + 1  # noqa: E731
-    plain = ttx_tutorial.causal_product(phi(q.detach()), phi(k.detach()), torch.ones_like(v), method="chunked")
+    plain = ttx_tutorial.causal_product(phi(q.detach()), phi(k.detach()), torch.ones_like(v), method=method)
     if dtype == torch.float16:
         assert not torch.isfinite(plain).all(), "the check needs a denominator past float16's range"
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method=method)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     assert torch.isfinite(out).all()
     expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
     assert_close(out, expected, dtype)
     for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        tolerance = LONG_BF16_DQ_TOLERANCE if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
+        tolerance = bf16_dq_tolerance if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
 
@@ -261,6 +268,63 @@ KERNEL_PATHS = {
 }
 
 
+def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what):
+    """A kernel file's normalised entry, ``entry(q, k, v, s0, eps=, config=)``, on elu + 1
+    features of (1, 2, T, D, E) inputs, outputs poisoned: out, the (S, z) state and the gradients
+    of q, k, v (and S_0 ``with_state``) against float64."""
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    raw = random_inputs(1, 2, T, D, E, dtype=dtype)
+    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
+    v = raw[2].requires_grad_()
+    s0 = state_after_prefix(1, 2, D, E, phi) if with_state else None
+    with poisoned_allocations():
+        out, state = entry(q, k, v, s0, eps=1e-3, config=config)
+        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+        torch.autograd.backward((out, state), (grad_out, grad_state))
+    s0_reference = torch.zeros_like(state) if s0 is None else s0
+    expected_out, expected_state, *expected_grads = reference_with_state(
+        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=True)
+    assert_close(out, expected_out, dtype, f"{what} output")
+    assert_close(state, expected_state, torch.float32, f"{what} final (S, z)")
+    check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, what)
+
+
+def check_gradients_of_values_far_from_zero(entry, dtype, T, D, E, config, what):
+    """``entry(q, k, v, config=)`` on elu + 1 features and values of mean 3 (the tests below say
+    why): the gradients of k and v, and of q in float32, against float64."""
+    q, k, v = random_inputs(1, 2, T, D, E, dtype=dtype)
+    q, k = (F.elu(x) + 1 for x in (q, k))
+    v = v + 3
+    for x in (q, k, v):
+        x.requires_grad_()
+    with poisoned_allocations():
+        out, _ = entry(q, k, v, config=config)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    expected = reference_gradients(q, k, v, lambda x: x, True, 1e-6, grad_out)
+    for label, leaf, grad in zip("qkv", (q, k, v), expected):
+        if not (label == "q" and dtype != torch.float32):
+            assert_close(leaf.grad, grad, dtype, f"{what}d{label}")
+
+
+def check_gradient_of_the_state_alone(method, dtype, T, D, E):
+    """causal_linear_attention(method=...) where only the returned state is used: no output
+    gradient reaches the backward; the gradients of k, v and S_0 against float64, none of q."""
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    q, k, v = random_inputs(1, 2, T, D, E, dtype=dtype, requires_grad=True)
+    s0 = state_after_prefix(1, 2, D, E, phi)
+    _, state = ttx_tutorial.causal_linear_attention(q, k, v, method=method, initial_state=s0,
+                                                    return_state=True)
+    grad_state = torch.randn_like(state)
+    state.backward(grad_state)
+    leaves = [float64(x).requires_grad_() for x in (q, k, v, s0)]
+    _, expected_state = attention64(*leaves[:3], phi, True, 1e-6, leaves[3])
+    expected = torch.autograd.grad(expected_state, leaves[1:], float64(grad_state))
+    assert q.grad is None or not q.grad.any()  # the state does not depend on q
+    for label, leaf, grad in zip(("k", "v", "initial state"), (k, v, s0), expected):
+        assert_close(leaf.grad, grad, dtype, f"d{label}")
+
+
 @pytest.mark.parametrize("with_state", [True, False], ids=["with a state", "from nothing"])
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_kernel_normaliser_value_blocks_and_backward_paths(path, with_state):
@@ -268,21 +332,7 @@ def test_kernel_normaliser_value_blocks_and_backward_paths(path, with_state):
     denominator, and both backward paths (the fused kernel, the passes on g) match float64.
     From nothing, the tokens of the sequence's own chunks carry the whole gradient."""
     dtype, D, E, config = KERNEL_PATHS[path]
-    phi = lambda x: F.elu(x) + 1  # noqa: E731
-    raw = random_inputs(1, 2, 45, D, E, dtype=dtype)
-    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
-    v = raw[2].requires_grad_()
-    s0 = state_after_prefix(1, 2, D, E, phi) if with_state else None
-    with poisoned_allocations():
-        out, state = chunked.chunked_normalized_attention(q, k, v, s0, eps=1e-3, config=config)
-        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
-        torch.autograd.backward((out, state), (grad_out, grad_state))
-    s0_reference = torch.zeros_like(state) if s0 is None else s0
-    expected_out, expected_state, *expected_grads = reference_with_state(
-        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=True)
-    assert_close(out, expected_out, dtype, f"{path} output")
-    assert_close(state, expected_state, torch.float32, f"{path} final (S, z)")
-    check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, path)
+    check_normalised_entry(chunked.chunked_normalized_attention, dtype, 45, D, E, config, with_state, path)
 
 
 @pytest.mark.parametrize("path", [path for path, (dtype, *_) in KERNEL_PATHS.items() if dtype != torch.bfloat16])
@@ -296,37 +346,13 @@ def test_kernel_normaliser_gradients_of_values_far_from_zero(path):
     is the same code for both 16-bit dtypes). test_kernel_normaliser_value_blocks_and_backward_paths
     checks every path and dtype on values of mean 0."""
     dtype, D, E, config = KERNEL_PATHS[path]
-    q, k, v = random_inputs(1, 2, 45, D, E, dtype=dtype)
-    q, k = (F.elu(x) + 1 for x in (q, k))
-    v = v + 3
-    for x in (q, k, v):
-        x.requires_grad_()
-    with poisoned_allocations():
-        out, _ = chunked.chunked_normalized_attention(q, k, v, config=config)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-    expected = reference_gradients(q, k, v, lambda x: x, True, 1e-6, grad_out)
-    for label, leaf, grad in zip("qkv", (q, k, v), expected):
-        if not (label == "q" and dtype != torch.float32):
-            assert_close(leaf.grad, grad, dtype, f"{path} d{label}")
+    check_gradients_of_values_far_from_zero(chunked.chunked_normalized_attention, dtype, 45, D, E, config, f"{path} ")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_normaliser_gradient_of_the_state_alone(dtype):
     """Only the returned state is used: no output gradient reaches the backward."""
-    phi = lambda x: F.elu(x) + 1  # noqa: E731
-    q, k, v = random_inputs(1, 2, 40, 16, 8, dtype=dtype, requires_grad=True)
-    s0 = state_after_prefix(1, 2, 16, 8, phi)
-    _, state = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", initial_state=s0,
-                                                    return_state=True)
-    grad_state = torch.randn_like(state)
-    state.backward(grad_state)
-    leaves = [float64(x).requires_grad_() for x in (q, k, v, s0)]
-    _, expected_state = attention64(*leaves[:3], phi, True, 1e-6, leaves[3])
-    expected = torch.autograd.grad(expected_state, leaves[1:], float64(grad_state))
-    assert q.grad is None or not q.grad.any()  # the state does not depend on q
-    for label, leaf, grad in zip(("k", "v", "initial state"), (k, v, s0), expected):
-        assert_close(leaf.grad, grad, dtype, f"d{label}")
+    check_gradient_of_the_state_alone("chunked", dtype, 40, 16, 8)
 
 
 def test_chunked_normalises_where_a_ones_column_would_not_fit():

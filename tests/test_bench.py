@@ -243,3 +243,23 @@ def test_the_fast_transformers_builder_names_a_wrong_source(tmp_path):
     with pytest.raises(FileNotFoundError, match="--source .* holds no fast_transformers/causal_product"):
         builder.main(["--source", str(tmp_path / "nothing"), "--target", str(tmp_path / "site")])
     assert not (tmp_path / "site").exists()
+
+
+def test_the_markdown_tables_show_each_recorded_point_with_our_fastest_in_bold():
+    """bench.md's tables, built from the newest recorded bench rows: one line per shape and mode,
+    our fastest method in bold, and the peers' best over ours computed from the same rows."""
+    from ttx_tutorial.course.figures import latest_recording, load_recorded
+
+    _, rows = latest_recording(load_recorded(), part="shapes")
+    rows = [{**row, "gpu_ms": row.get("gpu_ms")} for row in rows]
+    text = bench.markdown_tables(rows)
+    lines = [line for line in text.splitlines() if line.startswith("| (") and "mode" not in line]
+    points = {(tuple(r["shape"]), r["mode"], r["dtype"]) for r in rows if r["impl"] != "sdpa_softmax"}
+    assert len(lines) == len(points)
+    for line in lines:
+        assert line.count("**") == 2, line  # one bold cell: ours
+    row = {(r["impl"], r["mode"]): r for r in rows if tuple(r["shape"]) == (8, 16, 4096, 64, 64)}
+    ours = min(row["chunked", "fwd"]["ms"], row["scan", "fwd"]["ms"], row["recurrent", "fwd"]["ms"])
+    peers = min(row["fla_chunk", "fwd"]["ms"], row["fla_fused_chunk", "fwd"]["ms"])
+    line = next(line for line in lines if line.startswith("| (8, 16, 4096, 64, 64) | fwd |"))
+    assert line.split("|")[-2].strip().startswith(f"{peers / ours:.2f}"), line

@@ -95,7 +95,8 @@ def wrapper_calls(module):
             s0 = (torch.empty(states, H, D, E + normalized, dtype=torch.float32, requires_grad=True)
                   if with_state else None)
             if normalized:  # the states carry z as an extra column
-                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config)
+                packing = {} if packed is None else {"cu_seqlens": packed}
+                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing)
             else:
                 o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
@@ -119,8 +120,8 @@ def wrapper_calls(module):
             add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000))
     add(1, 4, 3000, 64, 64, torch.bfloat16, cu_seqlens=(0, 1500, 3000), offsets_dtype=torch.int64)
     add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1))
-    # The normalised attention of a file that computes it in the kernel (chunked's NORMALIZE):
-    # its forward, its fused backward and its passes.
+    # The normalised attention of a file that computes it in the kernel (NORMALIZE of chunked and
+    # recurrent): its forward, its fused backward and its passes.
     if hasattr(module, "_run_normalized_validated"):
         for dtype in DTYPES:
             for D, E in COVERAGE_HEAD_DIMS:
@@ -129,6 +130,14 @@ def wrapper_calls(module):
                         add(B, H, T, D, E, dtype, with_state=(T != 100), normalized=True)
         for dtype in (torch.float16, torch.bfloat16):
             add(1, 1, LONG_T, 64, 64, dtype, normalized=True)
+        # recurrent's normalised packed sequences (IS_VARLEN with NORMALIZE), both walks.
+        if "cu_seqlens" in inspect.signature(module._run_normalized_validated).parameters:
+            for dtype in DTYPES:
+                for D, E in ((16, 16), (64, 64), (128, 128)):
+                    add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000), normalized=True)
+            add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1), normalized=True)
+            add(1, 4, 3000, 64, 64, torch.bfloat16, config={"WALK": "blocks"}, cu_seqlens=(0, 1500, 3000),
+                normalized=True)
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):

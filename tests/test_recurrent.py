@@ -220,6 +220,31 @@ _RECORD_AND_COMPILE = """
             result = compiler.compile_launch(kernel, *args, target="sm_90", **kwargs)
             assert result.ok, result.summary()
             return result
+
+
+        # The text of each scf.for loop of a TTGIR listing, from its first line to its end.
+        def loop_bodies(ttgir):
+            lines = ttgir.splitlines()
+            bodies = []
+            for start, line in enumerate(lines):
+                if "scf.for" in line:
+                    indent = len(line) - len(line.lstrip())
+                    end = next(i for i in range(start + 1, len(lines))
+                               if lines[i].strip().startswith("}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+                    bodies.append("\\n".join(lines[start:end]))
+            return bodies
+
+
+        # ptxas' resource usage of the cubin (cuobjdump): STACK is the bytes of spilled registers.
+        def print_resources(compiled):
+            import os, re, subprocess, tempfile
+            import triton
+            cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(compiled.asm["cubin"])
+                cubin.flush()
+                usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+            print("resources:", re.search(r"REG:\\d+ STACK:\\d+", usage).group(0))
 """
 
 
@@ -237,17 +262,8 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
 
         cfg = recurrent.default_config(8, 16, 64, 64, torch.bfloat16, multiprocessors=132)
         compiled = compile_recorded_launch(recurrent.recurrent_tokens_kernel, 8, 16, 4096, 64, {with_state})
-        lines = compiled.asm["ttgir"].splitlines()
-
-        def loop_body(start):
-            indent = len(lines[start]) - len(lines[start].lstrip())
-            end = next(i for i in range(start + 1, len(lines))
-                       if lines[i].strip().startswith("}}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
-            return "\\n".join(lines[start:end])
-
         # The main token loop: the one with the most reductions (UNROLL tokens per iteration).
-        loops = [loop_body(i) for i, line in enumerate(lines) if "scf.for" in line]
-        loop = max(loops, key=lambda body: body.count('"tt.reduce"'))
+        loop = max(loop_bodies(compiled.asm["ttgir"]), key=lambda body: body.count('"tt.reduce"'))
         layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
         # The sums over D (tensors whose first dimension is BLOCK_D = 64).
         reduced = re.findall(r'"tt\\.reduce".*?\\}}\\) : \\(tensor<64x\\w+, (#\\w+)>', loop, re.S)
@@ -276,37 +292,20 @@ def test_few_heads_block_walk_compiles_to_an_in_thread_scan():
     asynchronous copy, the cumsum runs along registers of one thread (a scan across lanes would
     cost shuffles at every step) and nothing spills."""
     result = run_python(_RECORD_AND_COMPILE + """
-        import re, subprocess, os
-        import triton
+        import re
 
         cfg = recurrent.default_config(1, 8, 64, 64, torch.bfloat16, multiprocessors=132)
         assert cfg["WALK"] == "blocks", cfg
         compiled = compile_recorded_launch(recurrent.recurrent_blocks_kernel, 1, 8, 4096, 64, False)
         ttgir = compiled.asm["ttgir"]
-        lines = ttgir.splitlines()
-
-        def loop_body(start):
-            indent = len(lines[start]) - len(lines[start].lstrip())
-            end = next(i for i in range(start + 1, len(lines))
-                       if lines[i].strip().startswith("}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
-            return "\\n".join(lines[start:end])
-
         # The block loop (the other loop adds the initial state row by row).
-        loop = next(body for body in (loop_body(i) for i, line in enumerate(lines) if "scf.for" in line)
-                    if '"tt.scan"' in body)
+        loop = next(body for body in loop_bodies(ttgir) if '"tt.scan"' in body)
         layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", ttgir, re.M))
         scanned = re.findall(r'"tt\\.scan".*?\\}\\) : \\(tensor<\\w+, (#\\w+)>', loop, re.S)
         print("plain loads in the loop:", loop.count("tt.load "))
         print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
         print("scan layouts:", sorted({layouts[name] for name in scanned}))
-        # ptxas's resource usage of the cubin: STACK is the bytes of spilled registers.
-        import tempfile
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        print("resources:", re.search(r"REG:\\d+ STACK:\\d+", usage).group(0))
+        print_resources(compiled)
     """)
     assert result.returncode == 0, result.stderr[-4000:]
     report = result.stdout

@@ -13,17 +13,20 @@ entry) from dividing by zero.
 The normaliser costs no pass of its own. The chunked kernel computes it (method "chunked",
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
-store, and the backward kernel takes the denominator's gradient in the same walks. While
-``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
-normalised product, which runs the same kernels. The other methods append a column of ones
-to v instead: the product then carries z_t as the last column of its float32 state, and its
-last output column is phi(q_t)^T z_t. Either way the state of the normalised attention is
-(B, H, D, E + 1) float32: S in the first E columns, z in the last.
+store, and the backward kernel takes the denominator's gradient in the same walks. The
+recurrent kernels do the same in their walks (method "recurrent"), forward and backward (two
+elementwise passes first make the backward's dO_t / (d_t + eps) and the denominator's gradient).
+While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
+normalised product, which runs the chunked kernels; "recurrent" there takes the ones column.
+The other methods append a column of ones to v instead: the product then carries z_t as the
+last column of its float32 state, and its last output column is phi(q_t)^T z_t. Either way the
+state of the normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in
+the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long
-sequences, and the product's output has the input dtype. The chunked kernel keeps the
-denominator in float32 and stores only the normalised output, so float16 stays float16 there.
+sequences, and the product's output has the input dtype. The chunked and recurrent kernels keep
+the denominator in float32 and store only the normalised output, so float16 stays float16 there.
 bfloat16 shares float32's range and needs no such care.
 """
 
@@ -41,6 +44,7 @@ from ._device import DEVICE
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
 from .api import AUTO, causal_product, choose_method
 from .kernels import chunked as _chunked
+from .kernels import recurrent as _recurrent
 from .kernels import step as _step
 
 
@@ -79,22 +83,26 @@ def _compute_dtype(dtype, normalize):
     return torch.float32 if normalize and dtype == torch.float16 else dtype
 
 
-def _kernel_normalizes(method, q, k, v, initial_state):
-    """Whether the chunked kernel computes the normaliser: method "chunked", or "auto" where it
-    picks chunked (while torch.compile traces, "auto" always: its operator chooses at run time).
-    Checks the inputs (as the kernel file does, with the normalised state's (B, H, D, E + 1)
-    layout) before "auto" looks at them."""
+def _normalizing_kernel(method, q, k, v, initial_state):
+    """The kernel file whose kernels compute the normaliser, or None: "recurrent" (not while
+    torch.compile traces: there it keeps the ones column of the product's operator), "chunked",
+    or "auto" where it picks chunked (while torch.compile traces, "auto" always: its operator
+    chooses at run time). Checks the inputs (as the kernel file does, with the normalised
+    state's (B, H, D, E + 1) layout) before "auto" looks at them."""
+    if method == "recurrent" and not torch.compiler.is_compiling():
+        _recurrent.check_inputs(q, k, v, initial_state, method, normalized=True)
+        return _recurrent
     if method not in ("chunked", AUTO):
-        return False
+        return None
     if torch.compiler.is_compiling():
         # The API's checks, which the compiler can trace (the kernel file asks Triton's settings
         # for the device). The state's last column, z, was checked by the caller: the rest is S's.
         check_inputs(q, k, v, None if initial_state is None else initial_state[..., :-1], method=method,
                      dtypes=KERNEL_DTYPES, max_head_dim=_chunked.MAX_HEAD_DIM, expected_device=DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT)
-        return True
+        return _chunked
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
-    return method == "chunked" or choose_method(q, v) == "chunked"
+    return _chunked if method == "chunked" or choose_method(q, v) == "chunked" else None
 
 
 def _mapped(feature, x, name):
@@ -130,8 +138,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
             causal product of phi(q), phi(k) and v, and eps is unused.
         eps: added to the denominator, >= 0 (see the module docstring).
         method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked" (and "auto"
-            where it picks chunked) normalises inside the kernel; the others append a column of
-            ones to v (see the module docstring).
+            where it picks chunked) and "recurrent" normalise inside the kernel; the others
+            append a column of ones to v (see the module docstring).
         initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
             normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
         return_state: also return the state after the last token, in the same layout.
@@ -158,7 +166,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
     out_dtype = q.dtype if cast is None else cast
     # Off for the product: it would cast float32 back to autocast's float16 (module docstring).
     no_autocast = torch.autocast(q.device.type, enabled=False) if cast is not None else contextlib.nullcontext()
-    if normalize and _kernel_normalizes(method, q, k, v, initial_state):
+    kernel_file = _normalizing_kernel(method, q, k, v, initial_state) if normalize else None
+    if kernel_file is not None:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         if initial_state is not None:
             initial_state = initial_state.float()
@@ -168,7 +177,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
             else:
                 with _on_tensors_device(q):
-                    out, state = _chunked._run_normalized_validated(phi_q, phi_k, v, initial_state, eps)
+                    out, state = kernel_file._run_normalized_validated(phi_q, phi_k, v, initial_state, eps)
         return (out, state) if return_state else out
 
     compute_dtype = _compute_dtype(out_dtype, normalize)

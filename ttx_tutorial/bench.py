@@ -34,7 +34,8 @@ The grid is a list of ``triton.testing.Benchmark`` (x: T, lines: contenders) wal
 rather than by ``Mark.run``, which needs pandas and keeps one number per point.
 
 Output in ``--out``: ``bench.csv``, ``bench.json`` (the environment and every row; rewritten
-after each row while the run lasts, with ``"complete": false``) and PNG plots, per part and
+after each row while the run lasts, with ``"complete": false``), ``bench.md`` (the reference
+shapes as Markdown tables, one per dtype, in the README's form) and PNG plots, per part and
 dtype: time per call against T (the sweep) or per shape, and the achieved bandwidth against the
 copy ceiling. ``--record FILE`` merges the rows into a recorded-data file (the
 format of ``ttx_tutorial/course/data/h200.json``) as one recording named by date, device, versions and
@@ -63,7 +64,7 @@ import triton
 import triton.testing
 
 import ttx_tutorial
-from ttx_tutorial import _device
+from ttx_tutorial import _device, api
 from ttx_tutorial.testing import random_inputs, reference, relative_error
 
 #: (B, H, T, D, E) of the reference grid.
@@ -466,7 +467,54 @@ def write_outputs(out: Path, env: dict, rows: list[dict]) -> list[Path]:
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "shape": "x".join(map(str, row["shape"]))})
-    return [out / "bench.json", out / "bench.csv"] + plot(out, env, rows)
+    (out / "bench.md").write_text(markdown_tables(rows))
+    return [out / "bench.json", out / "bench.csv", out / "bench.md"] + plot(out, env, rows)
+
+
+def _cell(row: dict | None, best: bool) -> str:
+    if row is None or row["ms"] is None:
+        return "-"
+    text = f"**{row['ms']:.3f}**" if best else f"{row['ms']:.3f}"
+    return text if row["gpu_ms"] is None else f"{text} ({row['gpu_ms']:.3f})"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return "-" if numerator is None or denominator is None else f"{numerator / denominator:.2f}"
+
+
+def markdown_tables(rows: list[dict]) -> str:
+    """The "shapes" rows as one Markdown table per dtype, as the README shows them: per shape and
+    mode, every contender's ms per call (GPU ms of a graph replay in parentheses), our fastest
+    method in bold, and "peers / ours": the fastest linear-attention peer's time over our fastest
+    method's (per call; GPU time in parentheses). Softmax attention is left out: another function."""
+    tables = []
+    shape_rows = [r for r in rows if r["part"] == "shapes" and r["impl"] != "sdpa_softmax"]
+    for dtype in dict.fromkeys(r["dtype"] for r in shape_rows):
+        selected = [r for r in shape_rows if r["dtype"] == dtype]
+        impls = list(dict.fromkeys(r["impl"] for r in selected))
+        ours = [impl for impl in impls if impl in ttx_tutorial.METHODS and api.method_info(impl).is_triton]
+        peers = [impl for impl in impls if impl not in ttx_tutorial.METHODS]
+        lines = [f"{dtype}:", "", "| (B, H, T, D, E) | mode | " + " | ".join(impls) + " | peers / ours |",
+                 "|---" * (len(impls) + 3) + "|"]
+        for shape in dict.fromkeys(tuple(r["shape"]) for r in selected):
+            for mode in MODES:
+                by_impl = {r["impl"]: r for r in selected if tuple(r["shape"]) == shape and r["mode"] == mode}
+                if not by_impl:
+                    continue
+
+                def fastest(names, key):
+                    times = [by_impl[n][key] for n in names if n in by_impl and by_impl[n][key] is not None]
+                    return min(times) if times else None
+
+                best_ours = fastest(ours, "ms")
+                cells = [_cell(by_impl.get(impl), impl in ours and by_impl.get(impl) is not None
+                               and by_impl[impl]["ms"] == best_ours) for impl in impls]
+                ratio = _ratio(fastest(peers, "ms"), best_ours)
+                gpu_ratio = _ratio(fastest(peers, "gpu_ms"), fastest(ours, "gpu_ms"))
+                ratio = ratio if gpu_ratio == "-" else f"{ratio} ({gpu_ratio})"
+                lines.append(f"| {shape} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables) + "\n"
 
 
 def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:

@@ -16,6 +16,11 @@ Backward: the same kernels, three launches. With dO the gradient of o and G that
 dq = forward walk of (dO, v, k) from S_0^T; dk = reverse walk of (v, dO, q) from G^T;
 dv = reverse walk of (k, q, dO) from G, whose final state is dS_0. The direction and the state
 flags are runtime integers, so one compiled kernel per tile configuration serves all four.
+``NORMALIZE`` (``recurrent_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last); the blocks walk then holds
+all of D. Its backward runs the three walks on g_t = dO_t / (q_t . z_t + eps), and with
+``NORMALIZER_GRADIENT`` the dq and dk walks add the denominator's terms, r_t = -(g_t . out_t):
+r_t z_t to dq_t, dz_s = G_z + sum_{t>=s} r_t q_t to dk_s (z and dz carried as a state row).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two, tails masked). Offsets inside one (batch, head)
@@ -24,7 +29,8 @@ products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, 
 of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
 sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included).
+and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included;
+``NORMALIZE``, ``NORMALIZER_GRADIENT`` compiled with Triton 3.9, not yet run on a GPU).
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 
 import torch
@@ -60,10 +67,45 @@ def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
 
 
 @triton.jit
+def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, eps):
+    """_token with the normaliser: z += k, o = S^T q / (q . z + eps); returns (S, z, d + eps).
+    z is a [BLOCK_D, GROUPS, 1] tile in k's layout (every group holds the same z), and d + eps
+    a [1, GROUPS, 1] row, all groups equal."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_state += b_k * b_v
+    b_z += b_k
+    b_denominator = tl.sum(b_z * b_q, axis=0, keep_dims=True) + eps
+    b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True) / b_denominator
+    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    return b_state, b_z, b_denominator
+
+
+@triton.jit
+def _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr, r, mask_col, mask_row,
+                    NORMALIZER_GRADIENT: tl.constexpr):
+    """_token plus the denominator's term of a normalised backward walk, r = r_t this token's
+    denominator gradient: the dq walk (1) sums the v rows (k_t: z_t) and adds r_t z_t; the dk walk
+    (2) sums r_t times the v rows (q_t: dz_t) and adds dz_t."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_state += b_k * b_v
+    b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True)
+    if NORMALIZER_GRADIENT == 1:
+        b_row_sum += b_v
+        b_o += r * b_row_sum
+    else:
+        b_row_sum += r * b_v
+        b_o += b_row_sum
+    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    return b_state, b_row_sum
+
+
+@triton.jit
 def recurrent_tokens_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E), (B, H, T, E)
-    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (see NORMALIZE and NORMALIZER_GRADIENT); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (as the initial state), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
@@ -73,12 +115,20 @@ def recurrent_tokens_kernel(
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
+    # Last, so that the plain kernels' parameters keep their places (ptxas allocates registers
+    # differently when they move, though nothing else changes).
+    normalizer_ptr,  # (B, H, T) float32, contiguous: NORMALIZE writes d_t + eps, NORMALIZER_GRADIENT reads r_t
+    eps,  # NORMALIZE: added once to each denominator
     BLOCK_D: tl.constexpr,  # power of two >= D: the whole key dimension
     BLOCK_E: tl.constexpr,  # value columns handled by this program
     COLS: tl.constexpr,  # value columns per thread (divides BLOCK_E)
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
     IS_VARLEN: tl.constexpr,  # q, k, v, o hold B sequences packed along T of one batch row
+    NORMALIZE: tl.constexpr,  # divide o_t by d_t + eps, d_t = q_t . z_t, z_t = z_0 + sum_{s<=t} k_s
+    # 0, or a walk of the normalised backward (see the header), whose states have one row more,
+    # row D (z_0, or G's z column): 1, dq, adds r_t z_t; 2, dk, adds G_z + sum of r_s q_s (s >= t)
+    NORMALIZER_GRADIENT: tl.constexpr,
 ):
     """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
@@ -94,11 +144,15 @@ def recurrent_tokens_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        if NORMALIZE or NORMALIZER_GRADIENT != 0:  # T is still the packed row's length here
+            normalizer_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
+    elif NORMALIZE or NORMALIZER_GRADIENT != 0:
+        normalizer_ptr += (b * H + h) * T
 
     # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
     offs_d = tl.arange(0, BLOCK_D)
@@ -122,6 +176,27 @@ def recurrent_tokens_kernel(
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
     d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
+    offs_u = tl.arange(0, UNROLL)
+    if NORMALIZE:
+        # z as k (see _normalized_token). d_t + eps belongs to no value block: the first block
+        # stores it, from the first element of its row, once per iteration (a store per token
+        # holds the registers of its pointers and masks, UNROLL times: 60 more at D = 64; a
+        # [UNROLL, GROUPS, 1] block instead of the rows' shape, 17 more at D = 128).
+        b_z = tl.zeros([BLOCK_D, GROUPS, 1], dtype=tl.float32)
+        if has_initial_state:
+            z0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + E * stride_s0e
+            for d in range(0, D):  # row by row, as the state
+                b_z += tl.where(offs_d[:, None, None] == d, tl.load(z0_row_ptr + d * stride_s0d), 0.0)
+        offs_row = (tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :])[None, :, :]
+        mask_denominator = offs_row + pid_e == 0  # element 0 of value block 0
+        normalizer_ptr += first
+        denominator_block_ptr = normalizer_ptr + (direction * offs_u)[:, None, None] + offs_row * 0
+    if NORMALIZER_GRADIENT != 0:
+        b_row_sum = tl.zeros([1, GROUPS, COLS], dtype=tl.float32)  # z_t or dz_t, in v's row layout
+        if has_initial_state:
+            b_row_sum += tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + D * stride_s0d
+                                 + offs_e[None, :, :] * stride_s0e, mask=mask_row, other=0.0)
+        normalizer_ptr += first
     q_col_ptr = q_ptr + input_b * stride_qb + h * stride_qh + first * stride_qt + d_tile * stride_qd
     k_col_ptr = k_ptr + input_b * stride_kb + h * stride_kh + first * stride_kt + d_tile * stride_kd
     v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
@@ -131,7 +206,6 @@ def recurrent_tokens_kernel(
     step_k = direction * stride_kt
     step_v = direction * stride_vt
     step_o = direction * stride_ot
-    offs_u = tl.arange(0, UNROLL)
     # Whole iterations need no sequence mask; the last T % UNROLL tokens run one by one below.
     T_full = T - T % UNROLL
     for _ in tl.range(0, T_full, UNROLL, num_stages=NUM_STAGES):
@@ -139,32 +213,75 @@ def recurrent_tokens_kernel(
         b_v_block = tl.load(v_row_ptr + offs_u[:, None, None] * step_v, mask=mask_row, other=0.0).to(tl.float32)
         # Unrolled: the loads do not depend on the state, so they can all be in flight together;
         # only the state update chains from token to token.
+        if NORMALIZE:
+            b_denominator_block = tl.zeros([UNROLL, GROUPS, COLS], dtype=tl.float32)
         for j in tl.static_range(UNROLL):
             b_v = tl.sum(tl.where(offs_u[:, None, None] == j, b_v_block, 0.0), axis=0, keep_dims=True)
-            b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
-                             o_row_ptr + j * step_o, mask_col, mask_row)
+            if NORMALIZE:
+                b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr + j * step_q,
+                                                                k_col_ptr + j * step_k, b_v, o_row_ptr + j * step_o,
+                                                                mask_col, mask_row, eps)
+                b_denominator_block = tl.where(offs_u[:, None, None] == j, b_denominator, b_denominator_block)
+            elif NORMALIZER_GRADIENT != 0:
+                b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr + j * step_q, k_col_ptr + j * step_k,
+                                                     b_v, o_row_ptr + j * step_o, tl.load(normalizer_ptr + j * direction),
+                                                     mask_col, mask_row, NORMALIZER_GRADIENT)
+            else:
+                b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
+                                 o_row_ptr + j * step_o, mask_col, mask_row)
         q_col_ptr += UNROLL * step_q
         k_col_ptr += UNROLL * step_k
         v_row_ptr += UNROLL * step_v
         o_row_ptr += UNROLL * step_o
+        if NORMALIZE:
+            tl.store(denominator_block_ptr, b_denominator_block, mask=mask_denominator)
+            denominator_block_ptr += UNROLL * direction
+            normalizer_ptr += UNROLL * direction
+        if NORMALIZER_GRADIENT != 0:
+            normalizer_ptr += UNROLL * direction
     for _ in range(T_full, T):
         b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
-        b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
+        if NORMALIZE:
+            b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
+                                                            mask_col, mask_row, eps)
+            tl.store(normalizer_ptr + offs_row * 0, b_denominator, mask=mask_denominator)
+            normalizer_ptr += direction
+        elif NORMALIZER_GRADIENT != 0:
+            b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
+                                                 tl.load(normalizer_ptr), mask_col, mask_row, NORMALIZER_GRADIENT)
+            normalizer_ptr += direction
+        else:
+            b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
         q_col_ptr += step_q
         k_col_ptr += step_k
         v_row_ptr += step_v
         o_row_ptr += step_o
 
     if store_final_state:
-        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None, None] * E + offs_e[None, :, :]
+        width = E  # of a state row: E + 1 when z is its last column
+        state_rows = D  # D + 1 when z or dz is the last row
+        if NORMALIZE:
+            width = E + 1
+        if NORMALIZER_GRADIENT != 0:
+            state_rows = D + 1
+        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width
+                          + offs_e[None, :, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
+        if NORMALIZER_GRADIENT != 0:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + D * width + offs_e[None, :, :], b_row_sum,
+                     mask=mask_row)
+        if NORMALIZE:
+            # From element 0 of the first block's rows, like d_t + eps.
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width + E
+                     + offs_row * 0, tl.broadcast_to(b_z, (BLOCK_D, GROUPS, COLS)),
+                     mask=mask_d[:, None, None] & mask_denominator)
 
 
 @triton.jit
 def recurrent_blocks_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, T, D), (B, H, T, D), (B, H, T, E); o: see stride_o_split
-    initial_state_ptr,  # (B, H, D, E), float32; read only if has_initial_state
-    final_state_ptr,  # (B, H, D, E), float32, contiguous; written only if store_final_state
+    initial_state_ptr,  # (B, H, D, E), float32 (see NORMALIZE and NORMALIZER_GRADIENT); read only if has_initial_state
+    final_state_ptr,  # (B, H, D, E) (as the initial state), float32, contiguous; written only if store_final_state
     cu_seqlens_ptr,  # IS_VARLEN: (B + 1,) token offsets of the sequences packed in one row
     T, H, D, E,
     reverse,  # 1: walk t = T-1 .. 0, so that the state sums the tokens s >= t
@@ -175,11 +292,14 @@ def recurrent_blocks_kernel(
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     stride_o_split,  # with several key blocks, o is float32 (key blocks, B, H, T, E): block j's part at j * this
+    normalizer_ptr, eps,  # as in recurrent_tokens_kernel
     BLOCK_D: tl.constexpr,  # key rows of the state per program (power of two)
     BLOCK_E: tl.constexpr,  # value columns per program
     BLOCK_T: tl.constexpr,  # steps of the walk handled at once
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the block loop
     IS_VARLEN: tl.constexpr,  # as in recurrent_tokens_kernel
+    NORMALIZE: tl.constexpr,  # as in recurrent_tokens_kernel; needs the whole key dimension (BLOCK_D >= D)
+    NORMALIZER_GRADIENT: tl.constexpr,  # as in recurrent_tokens_kernel
 ):
     """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
     # One flat grid: value block fastest, then key block, then (batch, head).
@@ -194,11 +314,15 @@ def recurrent_blocks_kernel(
     if IS_VARLEN:
         input_b = 0
         bos = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        if NORMALIZE or NORMALIZER_GRADIENT != 0:
+            normalizer_ptr += h * T + bos
         T = (tl.load(cu_seqlens_ptr + b + 1) - bos).to(tl.int32)
         q_ptr += bos * stride_qt
         k_ptr += bos * stride_kt
         v_ptr += bos * stride_vt
         o_ptr += bos * stride_ot
+    elif NORMALIZE or NORMALIZER_GRADIENT != 0:
+        normalizer_ptr += (b * H + h) * T
 
     offs_i = tl.arange(0, BLOCK_T)  # step i0 + i of the walk is row i of a block
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -214,6 +338,16 @@ def recurrent_blocks_kernel(
         for d in range(pid_d * BLOCK_D, tl.minimum(D, (pid_d + 1) * BLOCK_D)):
             b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_e[None, :], other=0.0)
             b_state += tl.where(offs_d[:, None] == d, b_row, 0.0)
+    if NORMALIZE:  # z: the sum of the keys so far (this program holds every key row)
+        b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if has_initial_state:
+            b_z = tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_d * stride_s0d + E * stride_s0e,
+                          mask=mask_d, other=0.0)
+    if NORMALIZER_GRADIENT != 0:  # z_t or dz_t (see recurrent_tokens_kernel); key block 0 adds its term
+        b_row_sum = tl.zeros([BLOCK_E], dtype=tl.float32)
+        if has_initial_state:
+            b_row_sum += tl.load(initial_state_ptr + b * stride_s0b + h * stride_s0h + D * stride_s0d
+                                 + offs_e * stride_s0e, mask=mask_e, other=0.0)
 
     # Step i reads token first + direction * i (tl.cast: see recurrent_tokens_kernel). The offsets
     # within a block are 32-bit: 64-bit ones for every element would double the registers of
@@ -226,6 +360,11 @@ def recurrent_blocks_kernel(
     v_block_ptr = (v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt) + rows * stride_vt + offs_e[None, :] * stride_ve
     o_block_ptr = ((o_ptr + pid_d.to(tl.int64) * stride_o_split + input_b * stride_ob + h * stride_oh + first * stride_ot)
                    + rows * stride_ot + offs_e[None, :] * stride_oe)
+    if NORMALIZE:
+        denominator_block_ptr = normalizer_ptr + first + direction * offs_i
+        stored_tokens = tl.where(pid_e == 0, T, 0)  # d_t + eps and z belong to no value block
+    if NORMALIZER_GRADIENT != 0:
+        r_block_ptr = normalizer_ptr + first + direction * offs_i
     for i0 in tl.range(0, T, BLOCK_T, num_stages=NUM_STAGES):
         mask_i = i0 + offs_i < T  # rows past the end load zeros: they add nothing to the state
         b_k = tl.load(k_block_ptr, mask=mask_i[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
@@ -237,6 +376,25 @@ def recurrent_blocks_kernel(
         b_states = b_state[None, :, :] + tl.cumsum(b_kv, axis=0)
         # o_t = S_t^T q_t for every step at once: the sums over D are independent of each other.
         b_o = tl.sum(b_states * b_q[:, :, None], axis=1)
+        if NORMALIZE:
+            # d_t + eps = q_t . z_t + eps, z_t a prefix sum of the block's keys; the first value block stores it.
+            b_denominator = tl.sum((b_z[None, :] + tl.cumsum(b_k, axis=0)) * b_q, axis=1) + eps
+            b_o = b_o / b_denominator[:, None]
+            tl.store(denominator_block_ptr, b_denominator, mask=i0 + offs_i < stored_tokens)
+            b_z += tl.sum(b_k, axis=0)
+            denominator_block_ptr += direction * BLOCK_T
+        if NORMALIZER_GRADIENT != 0:
+            b_r = tl.load(r_block_ptr, mask=mask_i, other=0.0)
+            if NORMALIZER_GRADIENT == 1:  # z_t = the row sum so far plus the block's v rows up to t
+                b_row_sums = b_row_sum[None, :] + tl.cumsum(b_v, axis=0)
+                b_term = b_r[:, None] * b_row_sums
+                b_row_sum += tl.sum(b_v, axis=0)
+            else:  # dz_t likewise, of r_t v_t
+                b_rv = b_r[:, None] * b_v
+                b_term = b_row_sum[None, :] + tl.cumsum(b_rv, axis=0)
+                b_row_sum += tl.sum(b_rv, axis=0)
+            b_o += tl.where(pid_d == 0, b_term, 0.0)
+            r_block_ptr += direction * BLOCK_T
         tl.store(o_block_ptr, b_o.to(o_block_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_e[None, :])
         b_state += tl.sum(b_kv, axis=0)
         q_block_ptr += direction * BLOCK_T * stride_qt
@@ -245,8 +403,21 @@ def recurrent_blocks_kernel(
         o_block_ptr += direction * BLOCK_T * stride_ot
 
     if store_final_state:
-        final_tile_ptr = final_state_ptr + pid_bh.to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :]
+        width = E  # of a state row: E + 1 when z is its last column
+        state_rows = D  # D + 1 when z or dz is the last row
+        if NORMALIZE:
+            width = E + 1
+        if NORMALIZER_GRADIENT != 0:
+            state_rows = D + 1
+        final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None] * width
+                          + offs_e[None, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None] & mask_e[None, :])
+        if NORMALIZE:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d * width + E, b_z,
+                     mask=offs_d < tl.where(pid_e == 0, D, 0))
+        if NORMALIZER_GRADIENT != 0:
+            tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + D * width + offs_e, b_row_sum,
+                     mask=offs_e < tl.where(pid_d == 0, E, 0))
 
 
 #: The two walks: "tokens" (recurrent_tokens_kernel, one token per step) and "blocks"
@@ -338,6 +509,14 @@ def _blocks_config(D: int) -> dict:
             "num_stages": 3}
 
 
+def _normalized_blocks_config(D: int, dtype: torch.dtype) -> dict:
+    """The blocks walk's rule when it normalises: the denominator sums over the whole key
+    dimension, so one program holds all of it, with 8 steps a block (16 spill at D = 64: the
+    keys' prefix sum for the denominator needs registers of its own) and 16 bytes of v a step
+    (the pipeliner leaves a v block of 8 x 4 16-bit values to a plain load)."""
+    return {**_blocks_config(D), "BLOCK_D": _block_d(D), "BLOCK_E": 16 // dtype.itemsize, "BLOCK_T": 8}
+
+
 @functools.lru_cache(maxsize=None)  # asked once per device, not at every launch
 def _device_limits(device):
     """(multiprocessors, opt-in shared memory per block) of a GPU; an H100/H200's elsewhere."""
@@ -395,8 +574,9 @@ def _tokens_config(D: int, dtype: torch.dtype) -> dict:
 _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 
-def _resolve_config(q, v, config, cu_seqlens=None):
-    """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences)."""
+def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
+    """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences).
+    ``normalized``: for the NORMALIZE forward, whose blocks walk holds every key row."""
     B, H, _, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -405,6 +585,8 @@ def _resolve_config(q, v, config, cu_seqlens=None):
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
+    if normalized and chosen["WALK"] == "blocks":
+        chosen = _normalized_blocks_config(D, q.dtype)
     if config is None:
         return chosen
     # Without "WALK": the rule's walk if it reads every key given, else the walk that does.
@@ -415,7 +597,8 @@ def _resolve_config(q, v, config, cu_seqlens=None):
         raise ValueError(f"config keys {sorted(stray)} do not apply to WALK={walk!r}, which reads "
                          f"{WALK_KEYS[walk]}")
     if walk != chosen["WALK"]:  # the other walk's rule as the base
-        chosen = _blocks_config(D) if walk == "blocks" else _tokens_config(D, q.dtype)
+        blocks_rule = _normalized_blocks_config(D, q.dtype) if normalized else _blocks_config(D)
+        chosen = blocks_rule if walk == "blocks" else _tokens_config(D, q.dtype)
     chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
     if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
         groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
@@ -426,6 +609,9 @@ def _resolve_config(q, v, config, cu_seqlens=None):
         # At most the whole key dimension: the backward walks reuse the forward's config with
         # the roles of D and E swapped, so a BLOCK_D that splits D may hold all of E.
         chosen["BLOCK_D"] = min(chosen["BLOCK_D"], _block_d(D))
+        if normalized and chosen["BLOCK_D"] < D:
+            raise ValueError(f"BLOCK_D ({chosen['BLOCK_D']}) must cover D ({D}) when normalising: the "
+                             "denominator q_t . z_t sums over the whole key dimension in one program")
     return chosen
 
 
@@ -436,35 +622,40 @@ def _no_state(device):
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None):
+def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_seqlens=None, denominator=None,
+            eps=0.0, gradient_walk=0, r=None):
     """One walk over the sequence. Returns (o, final_state or None). With ``cu_seqlens``, one
-    walk per packed sequence, and the states are (N, H, D, E)."""
+    walk per packed sequence, and the states are (N, H, D, E). With ``denominator``, a (B, H, T)
+    float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
+    E + 1 columns, z last. ``gradient_walk`` 1 or 2 with ``r``, (B, H, T) float32: a walk of the
+    normalised backward (NORMALIZER_GRADIENT), whose states have D + 1 rows."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    cfg = _resolve_config(q, v, config, cu_seqlens)
+    normalize = denominator is not None
+    cfg = _resolve_config(q, v, config, cu_seqlens, normalize)
     o = torch.empty((B, H, T, E), dtype=q.dtype, device=q.device)
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
-    final_state = (torch.empty((B, H, D, E), dtype=torch.float32, device=q.device)
+    final_state = (torch.empty((B, H, D + (gradient_walk != 0), E + normalize), dtype=torch.float32, device=q.device)
                    if store_final_state else None)
     if B * H == 0:
         return o, final_state
     # The kernel never touches a state pointer whose flag is 0, but it needs a float32 tensor.
     unused = _no_state(q.device)
     s0 = initial_state if initial_state is not None else unused
-    arguments = (int(reverse), int(initial_state is not None), int(store_final_state),
+    pointers = (s0, final_state if store_final_state else unused, unused if cu_seqlens is None else cu_seqlens)
+    arguments = (T, H, D, E, int(reverse), int(initial_state is not None), int(store_final_state),
                  *q.stride(), *k.stride(), *v.stride())
+    normalizer = (denominator if normalize else r if gradient_walk else unused, float(eps))
     s0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
-    seqlens_arg = unused if cu_seqlens is None else cu_seqlens
     if cfg["WALK"] == "tokens":
         grid = (-(-E // cfg["BLOCK_E"]) * B * H,)  # rounded up, as triton.cdiv without its host cost
         with _launch_guard():
             recurrent_tokens_kernel[grid](
-                q, k, v, o, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
-                *arguments, *o.stride(), *s0_strides,
+                q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides, *normalizer,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
-                NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
+                NORMALIZER_GRADIENT=gradient_walk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
     key_blocks = -(-D // cfg["BLOCK_D"])
@@ -474,10 +665,11 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     grid = (-(-E // cfg["BLOCK_E"]) * key_blocks * B * H,)
     with _launch_guard():
         recurrent_blocks_kernel[grid](
-            q, k, v, parts, s0, final_state if store_final_state else unused, seqlens_arg, T, H, D, E,
-            *arguments, *parts.stride()[1:], *s0_strides, parts.stride(0) if key_blocks > 1 else 0,
-            BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"],
-            NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            q, k, v, parts, *pointers, *arguments, *parts.stride()[1:], *s0_strides,
+            parts.stride(0) if key_blocks > 1 else 0, *normalizer,
+            BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"], NUM_STAGES=cfg["num_stages"],
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient_walk,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).
@@ -519,6 +711,75 @@ class _RecurrentCausalProduct(torch.autograd.Function):
             dv, ds0 = _launch(k, q, grad_o, g, reverse=True, store_final_state=need_s0, config=ctx.config,
                               cu_seqlens=cu_seqlens)
         return dq, dk, (dv if need_v else None), ds0, None, None
+
+
+def _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens=None):
+    """The normalised forward in one walk: (out, final_state (B, H, D, E + 1), d + eps (B, H, T))."""
+    denominator = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    o, final_state = _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config,
+                             cu_seqlens=cu_seqlens, denominator=denominator, eps=eps)
+    return o, final_state, denominator
+
+
+#: The normalised backward's walks that take the denominator's terms (NORMALIZER_GRADIENT).
+_DQ_WALK, _DK_WALK = 1, 2
+
+
+def _normalized_backward(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config, cu_seqlens,
+                         needs_input_grad):
+    """The normalised backward: out_t = n_t / (d_t + eps), n_t the plain product's output and
+    d_t = q_t . z_t, so n gets g_t = dO_t / (d_t + eps) and d gets r_t = -(g_t . out_t), both
+    made here (two elementwise passes). The plain walks run on g, and the dq and dk walks add
+    the denominator's terms as they go: dq_t += r_t z_t, and dk_s += dz_s = G_z + sum_{t>=s}
+    r_t q_t, whose last value is dz_0, the initial state's z gradient. float16 runs the walks
+    in float32: g falls below float16's normal range once d_t is a few thousand."""
+    needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
+    E = v.shape[-1]
+    work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    g = (grad_o.float() / denominator[..., None]).to(work_dtype)
+    r = -(g.float() * o.float()).sum(-1)  # (B, H, T), from the g the walks see
+    q_w, k_w, v_w = q.to(work_dtype), k.to(work_dtype), v.to(work_dtype)
+    dq = dk = dv = ds0 = None
+    if needs_q:  # dq_t = S_t g_t + r_t z_t, from [S_0; z_0]^T: z_0 is its row E
+        s0_t = initial_state.mT if initial_state is not None else None
+        dq, _ = _launch(g, v_w, k_w, s0_t, reverse=False, store_final_state=False, config=config,
+                        cu_seqlens=cu_seqlens, gradient_walk=_DQ_WALK, r=r)
+        dq = dq.to(q.dtype)
+    if needs_k or needs_initial_state:  # dk_s = P_s v_s + dz_s, from [G; G_z]^T; its final row E is dz_0
+        g_t = grad_final_state.mT if grad_final_state is not None else None
+        dk, dk_final = _launch(v_w, g, q_w, g_t, reverse=True, store_final_state=needs_initial_state, config=config,
+                               cu_seqlens=cu_seqlens, gradient_walk=_DK_WALK, r=r)
+        dk = dk.to(k.dtype)
+    if needs_v or needs_initial_state:  # dv_s = P_s^T k_s; the final state is dS_0
+        g_s = grad_final_state[..., :E] if grad_final_state is not None else None
+        dv, ds0 = _launch(k_w, q_w, g, g_s, reverse=True, store_final_state=needs_initial_state, config=config,
+                          cu_seqlens=cu_seqlens)
+        dv = dv.to(v.dtype)
+        if needs_initial_state:
+            ds0 = torch.cat([ds0, dk_final[..., E, :].unsqueeze(-1)], dim=-1)
+    return dq, dk if needs_k else None, dv if needs_v else None, ds0
+
+
+class _RecurrentNormalizedAttention(torch.autograd.Function):
+    """Forward: one walk. Backward: three walks, the dq and dk ones with the denominator's terms."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens):
+        ctx.set_materialize_grads(False)
+        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens)
+        ctx.save_for_backward(q, k, v, initial_state, o, denominator, cu_seqlens)
+        ctx.config = config
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, initial_state, o, denominator, cu_seqlens = ctx.saved_tensors
+        if grad_o is None:  # only the final state was used
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv, ds0 = _normalized_backward(q, k, v, initial_state, o, denominator, grad_o, grad_final_state,
+                                               ctx.config, cu_seqlens, ctx.needs_input_grad[:4])
+        return dq, dk, dv, ds0, None, None, None
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -566,13 +827,14 @@ def check_cu_seqlens(q, cu_seqlens):
         raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
 
 
-def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None):
+def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None, *, normalized=False):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
-    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
+    dense floating (B, H, D, E) tensor on their device ((B, H, D, E + 1) when ``normalized``).
+    cu_seqlens: None, or the offsets of N sequences packed along T (``check_cu_seqlens``); the
+    states are then (N, H, D, E) (E + 1 when ``normalized``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -633,9 +895,12 @@ def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
         if cu_seqlens is None:
-            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+            expected = (*q.shape[:2], D, E + normalized)
+            layout = "(B, H, D, E + 1), z as the last column," if normalized else "(B, H, D, E)"
         else:  # one state per packed sequence
-            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
+            expected = (cu_seqlens.shape[0] - 1, q.shape[1], D, E + normalized)
+            layout = ("(N, H, D, E + 1) with cu_seqlens, z as the last column," if normalized
+                      else "(N, H, D, E) with cu_seqlens")
         if tuple(initial_state.shape) != expected:
             raise ValueError(
                 f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
@@ -700,3 +965,39 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, reverse=False, store_final_state=True, config=config,
                    cu_seqlens=cu_seqlens)
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def recurrent_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, cu_seqlens=None):
+    """Normalised causal linear attention of features q, k (the feature map already applied):
+    out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
+    numerator and denominator accumulated in float32 in one walk. eps (finite, >= 0) is added
+    once, to q_t^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
+    ``recurrent_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
+    packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
+    final_state float32 in the initial state's layout. Differentiable in q, k, v and
+    initial_state."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
+    _check_eps(eps)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens)
+
+
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None):
+    """``recurrent_normalized_attention`` for inputs, eps included, already checked."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        return _RecurrentNormalizedAttention.apply(q, k, v, initial_state, eps, config, cu_seqlens)
+    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config, cu_seqlens)
+    return o, final_state
