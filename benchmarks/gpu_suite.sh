@@ -6,8 +6,10 @@
 #   peers      build fast-transformers' causal product (benchmarks/build_fast_transformers.py)
 #              from a checkout in $FAST_TRANSFORMERS_SOURCE (default .peers/fast-transformers) and
 #              put it on PYTHONPATH for the steps after it
-#   tests      the test suite on the GPU, one line per test in tests.log (TTX_SIZE_TESTS=1 adds
-#              the size tests; TTX_HYPOTHESIS_EXAMPLES defaults to 10 here)
+#   tests      the test suite on the GPU, one line per test in tests.log, the printed output of
+#              passed tests (the size tests' errors) and the slowest tests at its end
+#              (TTX_SIZE_TESTS=1 adds the size tests; TTX_HYPOTHESIS_EXAMPLES defaults to 10
+#              here; test_packaging.py, which builds fresh environments, is CI's)
 #   compile    the CPU-side compile of every launch for sm_80/sm_90 with this machine's Triton
 #   notebooks  every notebook under nbval in GPU mode
 #   bench      python -m ttx_tutorial.bench (every method and peer side by side)
@@ -48,7 +50,8 @@ for step in "${steps[@]}"; do
       export PYTHONPATH="$site:$PYTHONPATH" ;;
     tests)
       TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests -v -n "$workers" \
-        --dist loadfile -p no:cacheprovider -o addopts="-ra" --ignore=tests/test_compile_targets.py \
+        --dist loadfile -p no:cacheprovider -o addopts="-raP --durations=15" \
+        --ignore=tests/test_compile_targets.py --ignore=tests/test_packaging.py \
         > "$RESULTS/tests.log" 2>&1
       status=$((status | $?))
       grep -E "^(FAILED|ERROR) " "$RESULTS/tests.log" | head -30; tail -1 "$RESULTS/tests.log" ;;

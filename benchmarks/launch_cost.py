@@ -20,6 +20,13 @@ never waits for the GPU (the best of five loops' means), peeling one layer at a 
 
 The difference between rows says what a layer costs; "compiled" is the least a Triton launch
 costs on this host through Triton's own launcher.
+
+Then the GPU's side ("replay_us"): the median of ``triton.testing.do_bench`` on a CUDA-graph
+replay (the L2 cache emptied before each, as layer_check.py times the step), for the empty
+kernel (the floor of such a measurement), the step with its default config, and the step with
+each BLOCK_E in 16, 32, 64 and num_warps in 1, 2, 4, 8 (``--no-configs`` skips them); "x20"
+rows replay a graph of 20 steps in a row and give the time per step, the state then in L2 as in
+a generation loop.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.testing
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,10 +67,59 @@ def host_us(fn, calls):
     return best
 
 
+def replay_us(fn, repeats=1):
+    """Microseconds of GPU time per call of ``fn``: ``repeats`` calls captured in one CUDA graph,
+    the median replay from do_bench divided by ``repeats``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / repeats
+
+
+def replay_rows(q, k, v, state, *, configs):
+    """The GPU's time of one step, by config (see the module docstring)."""
+    B, H, D = q.shape
+    E = v.shape[-1]
+    x = torch.zeros(1, device=q.device)
+    o = torch.empty(B, H, E, device=q.device, dtype=q.dtype)
+    arrivals = step._arrivals(state, B * H)
+    arguments = [q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), 1e-6]
+    rows = {"empty kernel": lambda: empty_kernel[(1,)](x, None, None, None, None, None, 1, POINTERS=1),
+            "step, default config": lambda: ttx_tutorial.linear_attention_step(q, k, v, state)}
+    if configs:
+        for block_e in (16, 32, 64):
+            for num_warps in (1, 2, 4, 8):
+                grid = (B * H * triton.cdiv(E, block_e),)
+                rows[f"step, BLOCK_E {block_e}, {num_warps} warps"] = (
+                    lambda grid=grid, block_e=block_e, num_warps=num_warps: step.step_kernel[grid](
+                        *arguments, FEATURE_MAP="elu", NORMALIZE=True, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                        BLOCK_E=block_e, num_warps=num_warps))
+    results = {}
+    for name, fn in rows.items():
+        for repeats in (1, 20):
+            label = name if repeats == 1 else f"{name}, x20"
+            try:
+                results[label] = replay_us(fn, repeats)
+            except Exception as error:  # noqa: BLE001  a config this GPU refuses: say so, go on
+                results[label] = f"{type(error).__name__}: {error}"
+                print(f"{label:40s} {results[label]}", flush=True)
+                continue
+            print(f"{label:40s} {results[label]:8.2f} us replayed", flush=True)
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-configs", action="store_true", help="skip the step's config sweep")
     args = parser.parse_args(argv)
     if not ttx_tutorial.on_gpu():
         print("launch_cost.py times launches on a GPU; in CPU mode Triton's interpreter runs the kernels")
@@ -119,12 +176,13 @@ def main(argv=None):
             print(f"{name:28s} {results[name]}", flush=True)
             continue
         print(f"{name:28s} {results[name]:8.1f} us", flush=True)
+    replays = replay_rows(q, k, v, state, configs=not args.no_configs)
     if args.json:
         setting = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": triton.__version__, "python": platform.python_version(),
                    "command": " ".join(sys.argv)}
-        args.json.write_text(json.dumps({"setting": setting, "host_us": results}, indent=1))
+        args.json.write_text(json.dumps({"setting": setting, "host_us": results, "replay_us": replays}, indent=1))
     return 0
 
 

@@ -159,10 +159,10 @@ def test_errors_are_named():
     q, k, v = random_inputs(1, 2, 5, 40, 8)
     with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, D, E \+ 1\), z as the last "
                                          r"column, = \(1, 2, 40, 9\), got \(1, 2, 40, 8\)"):
-        recurrent.recurrent_normalized_attention(q, k, v, torch.zeros(1, 2, 40, 8))
+        recurrent.recurrent_normalized_attention(q, k, v, torch.zeros(1, 2, 40, 8, device=q.device))
     with pytest.raises(ValueError, match=r"initial_state must have shape \(N, H, D, E \+ 1\) with cu_seqlens"):
-        recurrent.recurrent_normalized_attention(q[:1], k[:1], v[:1], torch.zeros(2, 2, 40, 8),
-                                                 cu_seqlens=torch.tensor([0, 2, 5]))
+        recurrent.recurrent_normalized_attention(q[:1], k[:1], v[:1], torch.zeros(2, 2, 40, 8, device=q.device),
+                                                 cu_seqlens=torch.tensor([0, 2, 5], device=q.device))
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         recurrent.recurrent_normalized_attention(q, k, v, eps=-1.0)
     with pytest.raises(TypeError, match="eps must be a float"):
@@ -170,7 +170,7 @@ def test_errors_are_named():
     with pytest.raises(ValueError, match=r"BLOCK_D \(32\) must cover D \(40\) when normalising"):
         recurrent.recurrent_normalized_attention(q, k, v, config={"WALK": "blocks", "BLOCK_D": 32})
     with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, D, E \+ 1\)"):
-        ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent", initial_state=torch.zeros(2, 2, 40, 9))
+        ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent", initial_state=torch.zeros(2, 2, 40, 9, device=q.device))
 
 
 # On the GPU ---------------------------------------------------------------------------------
