@@ -37,8 +37,8 @@ features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each 
 product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
 adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN`` and float32
-"tf32x3" and "tf32" included; the token-by-token walks below: compiled, not yet run on a GPU).
+and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
+"tf32x3" and "tf32" and the token-by-token walks below included).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw

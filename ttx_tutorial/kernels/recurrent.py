@@ -29,8 +29,8 @@ products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, 
 of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
 sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, included;
-``NORMALIZE``, ``NORMALIZER_GRADIENT`` compiled with Triton 3.9, not yet run on a GPU).
+and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, and the
+normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included).
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is

@@ -44,8 +44,8 @@ Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 wa
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
 that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
-causal by construction; compiled, not yet run on a GPU), overwriting what it stored: a slow
-call, not a wrong one. A config that needs more shared memory than the GPU has fails at launch.
+causal by construction), overwriting what it stored: a slow call, not a wrong one. A config
+that needs more shared memory than the GPU has fails at launch.
 The interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to
 bfloat16: under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every
 product operand to float32.
