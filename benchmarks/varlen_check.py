@@ -13,6 +13,9 @@ same total. Rows, each timed forward ("fwd") and forward+backward ("fwd+bwd") pe
   ... unpacked            the same method on the (1, 16, 65536, 64) sequence, no cu_seqlens
   fla_chunk, fla_fused_chunk   fla's chunk_linear_attn / fused_chunk_linear_attn with the same
                           cu_seqlens (normalize=False, scale=1), when fla is importable
+On a GPU each row also gets "fwd_gpu_ms" and "fwd+bwd_gpu_ms": the same call replayed from a CUDA
+graph (``ttx_tutorial.bench.graph_ms``), the GPU's time without the host's ("-" where a call
+cannot be captured, as when it reads values back to the host).
 "vs unpacked": packed time over the same method unpacked (target <= 1.2); "vs fla": packed time
 over fla's best packed time in the same run (target < 1). Without a GPU the script runs the
 same rows at a few hundred tokens under Triton's interpreter (no fla), to check itself.
@@ -32,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+import ttx_tutorial.bench  # noqa: E402
 from ttx_tutorial.testing import reference, relative_error  # noqa: E402
 
 ON_GPU = ttx_tutorial.on_gpu()
@@ -68,6 +72,18 @@ def time_ms(fn, leaves=()):
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return sorted(samples)[1]
+
+
+def gpu_ms(fn, leaves=()):
+    """The GPU's ms of one call (a CUDA-graph replay), or None off a GPU or where capture fails."""
+    if not ON_GPU:
+        return None
+    try:
+        return ttx_tutorial.bench.graph_ms(fn, leaves)
+    except Exception as error:  # noqa: BLE001  a call that cannot be captured: say so, go on
+        print(f"    (no graph replay: {type(error).__name__}: {str(error).splitlines()[0][:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
 
 
 def contenders(q, k, v, cu_seqlens):
@@ -122,11 +138,17 @@ def run_case(case, lengths, heads, dim, generator):
             o = fn(q, k, v)
             forward = time_ms(lambda: fn(q, k, v))
         backward = time_ms(lambda: fn(*leaves).backward(grad_o), leaves)
+        with torch.no_grad():
+            forward_gpu = gpu_ms(lambda: fn(q, k, v))
+        backward_gpu = gpu_ms(lambda: fn(*leaves).backward(grad_o), leaves)
         error = packed_error(o, q, k, v, offsets) if packed else None
         # printed as it comes: fla's first calls autotune for minutes, and a cut run keeps ours
-        print(f"  {name}: fwd {forward:.4f} ms, fwd+bwd {backward:.4f} ms", flush=True)
+        gpu = "" if forward_gpu is None and backward_gpu is None else (
+            f" (GPU {shown(forward_gpu)} / {shown(backward_gpu)} ms)")
+        print(f"  {name}: fwd {forward:.4f} ms, fwd+bwd {backward:.4f} ms{gpu}", flush=True)
         rows.append({"case": case, "method": name, "packed": packed, "sequences": len(lengths), "T": T,
-                     "fwd_ms": forward, "fwd+bwd_ms": backward, "error": error})
+                     "fwd_ms": forward, "fwd+bwd_ms": backward, "fwd_gpu_ms": forward_gpu,
+                     "fwd+bwd_gpu_ms": backward_gpu, "error": error})
     best_fla = {key: min((r[key] for r in rows if r["method"].startswith("fla")), default=None)
                 for key in ("fwd_ms", "fwd+bwd_ms")}
     by_name = {r["method"]: r for r in rows}
@@ -138,10 +160,13 @@ def run_case(case, lengths, heads, dim, generator):
     return rows
 
 
+def shown(value):
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def print_table(rows):
-    columns = ("case", "method", "fwd_ms", "fwd+bwd_ms", "fwd_ms vs unpacked", "fwd+bwd_ms vs unpacked",
-               "fwd_ms vs fla", "fwd+bwd_ms vs fla", "error")
-    shown = lambda value: "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+    columns = ("case", "method", "fwd_ms", "fwd+bwd_ms", "fwd_gpu_ms", "fwd+bwd_gpu_ms", "fwd_ms vs unpacked",
+               "fwd+bwd_ms vs unpacked", "fwd_ms vs fla", "fwd+bwd_ms vs fla", "error")
     table = [columns] + [tuple(shown(row[c]) for c in columns) for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for line in table:

@@ -129,6 +129,34 @@ def test_views_give_the_float64_answer_and_gradients(method, layout, dtype):
                              name=f"gradient of the {tuple(leaf.shape)} leaf ({where})")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # three-pass and fused backwards
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_outputs_and_gradients_are_laid_out_as_their_inputs(method, dtype, packed):
+    """q, k, v as (B, H, T, D) views of (B, T, H, D) buffers, as a layer's heads are: o comes back
+    laid out as v and each gradient as its input, so that reshaping o back and handing a leaf its
+    gradient copy nothing; the values still match float64."""
+    B, T, H, D = (1, 45, 2, 16) if packed else (2, 37, 3, 16)
+    cu_seqlens = torch.tensor([0, 20, 20, 45], device=DEVICE) if packed else None
+    generator = torch.Generator().manual_seed(7)
+    buffers = [(torch.randn(B, T, H, D, generator=generator) * scale).to(DEVICE, dtype)
+               for scale in (D ** -0.5, D ** -0.5, 1.0)]
+    q, k, v = (x.transpose(1, 2).requires_grad_() for x in buffers)
+    grad_o = torch.randn(B, T, H, D, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    with testing.poisoned_allocations():
+        o = ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=cu_seqlens)
+        grads = torch.autograd.grad(o, (q, k, v), grad_o)
+    assert o.stride() == v.stride(), f"o: strides {o.stride()}, v's {v.stride()}"
+    for name, grad, x in zip("qkv", grads, (q, k, v)):
+        assert grad.stride() == x.stride(), f"d{name}: strides {grad.stride()}, {name}'s {x.stride()}"
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_o = ttx_tutorial.causal_product(*leaves, "cumsum", cu_seqlens=cu_seqlens)
+    ref_grads = torch.autograd.grad(ref_o, leaves, grad_o.double())
+    testing.assert_close(o, ref_o, dtype, f"{method} o")
+    for name, grad, ref in zip("qkv", grads, ref_grads):
+        testing.assert_close(grad, ref, dtype, f"{method} d{name}")
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_initial_state_of_another_float_dtype_is_used_in_float32(method, state_dtype):

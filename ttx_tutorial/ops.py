@@ -67,6 +67,9 @@ def _causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[
                        method: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # autograd is the operator's own (register_autograd below)
         o, final_state = _run(q, k, v, initial_state, method, cu_seqlens)
+    # Contiguous, as the fake implementation promises whatever the inputs' strides: eager calls
+    # lay o out as v, and under torch.compile the inputs' strides need not be the traced ones.
+    o = o.contiguous()
     if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
         final_state = final_state.clone()  # T = 0: an operator's outputs must not alias its inputs
     return o, final_state
@@ -208,7 +211,8 @@ def _run_normalized(q, k, v, initial_state, eps, method):
 def _normalized_causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor], eps: float,
                                   method: str) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():  # autograd is the operator's own (register_autograd below)
-        return _run_normalized(q, k, v, initial_state, eps, method)
+        out, final_state, denominator = _run_normalized(q, k, v, initial_state, eps, method)
+    return out.contiguous(), final_state, denominator  # as the fake promises (see causal_product)
 
 
 @_normalized_causal_product_op.register_fake

@@ -803,7 +803,6 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
     columns, z last (not with ``cu_seqlens``)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    o_shape = (B, H, T, E)
     if cu_seqlens is not None:  # one program row and one state per packed sequence
         B = cu_seqlens.shape[0] - 1
     # 16-bit inputs meet float32 operands only as float16's state and scores, exact in TF32.
@@ -812,7 +811,9 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
                                          triton.knobs.runtime.interpret, precision,
                                          () if config is None else tuple(sorted(config.items())))
-    o = torch.empty(o_shape, dtype=v.dtype if out_dtype is None else out_dtype, device=v.device)
+    # o laid out as v (any dense strides): a (B, T, H, E) buffer seen as (B, H, T, E) gets an o
+    # that the caller reshapes back without a copy, and a leaf gets a gradient it keeps as is.
+    o = torch.empty_like(v, dtype=v.dtype if out_dtype is None else out_dtype)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
     normalize = denominator is not None
@@ -885,9 +886,10 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
     normalize = denominator is not None
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
+    # Each gradient laid out as its input: autograd keeps it as is, without a copy to the leaf's strides.
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq = torch.empty_like(q) if compute_dq else None
     ds0 = torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=q.device)
     # Absent tensors get a stand-in pointer the kernel never follows (its flag is 0).
     dq_arg = dk if dq is None else dq

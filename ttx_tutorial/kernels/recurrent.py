@@ -633,7 +633,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     E = v.shape[-1]
     normalize = denominator is not None
     cfg = _resolve_config(q, v, config, cu_seqlens, normalize)
-    o = torch.empty((B, H, T, E), dtype=q.dtype, device=q.device)
+    o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
     final_state = (torch.empty((B, H, D + (gradient_walk != 0), E + normalize), dtype=torch.float32, device=q.device)

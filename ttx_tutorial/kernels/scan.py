@@ -921,7 +921,7 @@ def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_seque
     # rounded up, as triton.cdiv but without its host cost
     n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
-    o = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
     final_state = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device,
                               dtype=torch.float32)
     with _launch_guard():
@@ -966,9 +966,10 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = -(-T // segment_len) if segments is None else segments.shape[1]  # rounded up
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if compute_dq else None
+    # Each gradient laid out as its input: autograd keeps it as is, without a copy to the leaf's strides.
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq = torch.empty_like(q) if compute_dq else None
     ds0 = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device, dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
     with _launch_guard():
