@@ -89,8 +89,9 @@ def test_bfloat16_at_the_generation_shape():
 @pytest.mark.parametrize("E", [16, 37, 256])  # one, three and sixteen value blocks of 16
 def test_the_last_program_of_a_head_writes_z_and_resets_its_count(E):
     """When normalising, each value block's program reads the old z and the head's last one to
-    finish writes the new z: token after token, z and the outputs stay right (the state must not
-    gain phi(k) twice or lose it), and the counts are back at zero after every launch."""
+    finish writes the new z (E = 16: the head's only program writes it, no count): token after
+    token, z and the outputs stay right (the state must not gain phi(k) twice or lose it), and
+    the counts are back at zero after every launch."""
     q, k, v, state = token_inputs(2, 3, 20, E, torch.float32, True, seed=E)
     expected_state = state
     with torch.no_grad():

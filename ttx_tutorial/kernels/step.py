@@ -12,9 +12,10 @@ One program owns one (batch, head) pair and one block of value columns; it walks
 contributions to o in float32. No ``tl.dot``: one query row would waste the tensor cores. z is
 shared by every value block: each program reads the old z and computes the denominator itself
 (D products), and the head's last program to finish, counted by an integer atomic, writes the
-new z, once every other one has read the old (nothing else orders programs within a launch).
-The counters, one int32 per head, belong to the state: zeros at rest, reset by that last program,
-kept on the state tensor (pass the same tensor token after token: a new view would make new ones).
+new z, once every other one has read the old (nothing else orders programs within a launch);
+where one program covers all of E it writes z itself, without the count. The counters, one
+int32 per head, belong to the state: zeros at rest, reset by that last program, kept on the
+state tensor (pass the same tensor token after token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
 last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
 (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
@@ -116,15 +117,20 @@ def step_kernel(
         b_o = b_numerator / (tl.sum(b_denominator, axis=0) + eps)
     tl.store(o_ptr + pid_bh * E + offs_e, b_o.to(o_ptr.dtype.element_ty), mask=mask_e)
     if NORMALIZE:
-        # The denominator above used every thread's z, so every read of the old z is done. The
-        # barrier orders them before the count, whose acquire-release order puts the other
-        # programs' reads before the last program's write; that program resets the count.
+        offs_d = tl.arange(0, BLOCK_D)
+        z_ptr = state_head_ptr + offs_d.to(tl.int64) * state_cols + E
+        # The denominator above used every thread's z, so every read of the old z is done.
         tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel")
-        if arrived == num_e_blocks - 1:
-            offs_d = tl.arange(0, BLOCK_D)
-            tl.store(state_head_ptr + offs_d.to(tl.int64) * state_cols + E, b_z, mask=offs_d < D)
-            tl.atomic_xchg(arrivals_ptr + pid_bh, 0, sem="relaxed")
+        if num_e_blocks == 1:  # the head's only program: it writes z itself, no count to keep
+            tl.store(z_ptr, b_z, mask=offs_d < D)
+        else:
+            # The barrier orders this program's reads before the count, whose acquire-release
+            # order puts the other programs' reads before the last program's write; that
+            # program resets the count.
+            arrived = tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel")
+            if arrived == num_e_blocks - 1:
+                tl.store(z_ptr, b_z, mask=offs_d < D)
+                tl.atomic_xchg(arrivals_ptr + pid_bh, 0, sem="relaxed")
 
 
 # --------------------------------------------------------------------------- host side
@@ -186,8 +192,9 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
     o = torch.empty((B, H, E), dtype=q.dtype, device=q.device)
     if B * H == 0:
         return o
-    # Without normalize the kernel never touches the counters: the state stands in for them.
-    arrivals = _arrivals(state, B * H) if normalize else state
+    # Without normalize, or with one program a head, the kernel never touches the counters: the
+    # state stands in for them.
+    arrivals = _arrivals(state, B * H) if normalize and grid[0] > B * H else state
     with _launch_guard():
         step_kernel[grid](
             q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
