@@ -6,10 +6,13 @@
 #   peers      build fast-transformers' causal product (benchmarks/build_fast_transformers.py)
 #              from a checkout in $FAST_TRANSFORMERS_SOURCE (default .peers/fast-transformers) and
 #              put it on PYTHONPATH for the steps after it
-#   tests      the test suite on the GPU, one line per test in tests.log, the printed output of
-#              passed tests (the size tests' errors) and the slowest tests at its end
-#              (TTX_SIZE_TESTS=1 adds the size tests; TTX_HYPOTHESIS_EXAMPLES defaults to 10
-#              here; test_packaging.py, which builds fresh environments, is CI's)
+#   tests      the test suite on the GPU, one line per test in tests.log and the slowest tests at
+#              its end, without the next two steps' files and test_packaging.py (it builds fresh
+#              environments: CI's)
+#   size       tests/test_limits_at_size.py with TTX_SIZE_TESTS=1 on 3 workers (4 GiB tensors;
+#              about a minute on an H200), printing the errors they measure
+#   fuzz       tests/test_fuzz.py with hypothesis' statistics (TTX_HYPOTHESIS_EXAMPLES examples,
+#              default 10 here; 100 took 7 minutes on an H200)
 #   compile    the CPU-side compile of every launch for sm_80/sm_90 with this machine's Triton
 #   notebooks  every notebook under nbval in GPU mode
 #   bench      python -m ttx_tutorial.bench (every method and peer side by side)
@@ -19,9 +22,10 @@
 #   layer      benchmarks/layer_check.py (normalised attention, the layer, the step, compiled)
 #   float32    benchmarks/float32_sweep.py --no-peers (every float32 setting and candidate)
 #
-# With no step named: tests compile notebooks bench check. On a 16-core H200 machine with a cold
-# Triton cache, the tests (size tests included) took 196 s with 13 workers, the notebooks more
-# than 185 s; fla's first calls autotune for minutes, so steps that time fla come last.
+# With no step named: tests size fuzz compile notebooks bench check. On a 16-core H200 machine
+# with a cold Triton cache the tests took more than 320 s with 13 workers, the notebooks 193 s
+# with 4; two invocations may run side by side (different steps write different logs). fla's
+# first calls autotune for minutes, so steps that time fla come last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-benchmarks/results}
@@ -35,7 +39,7 @@ while [ $# -gt 0 ]; do
     *) steps+=("$1"); shift ;;
   esac
 done
-[ ${#steps[@]} -gt 0 ] || steps=(tests compile notebooks bench check)
+[ ${#steps[@]} -gt 0 ] || steps=(tests size fuzz compile notebooks bench check)
 workers=$(( $(nproc) > 3 ? $(nproc) - 3 : 1 ))  # leave cores to the GPU process and the launcher
 
 status=0
@@ -50,17 +54,27 @@ for step in "${steps[@]}"; do
       export PYTHONPATH="$site:$PYTHONPATH" ;;
     tests)
       TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests -v -n "$workers" \
-        --dist loadfile -p no:cacheprovider -o addopts="-raP --durations=15" \
+        --dist loadfile -p no:cacheprovider -o addopts="-ra --durations=15" \
         --ignore=tests/test_compile_targets.py --ignore=tests/test_packaging.py \
-        > "$RESULTS/tests.log" 2>&1
+        --ignore=tests/test_limits_at_size.py --ignore=tests/test_fuzz.py > "$RESULTS/tests.log" 2>&1
       status=$((status | $?))
       grep -E "^(FAILED|ERROR) " "$RESULTS/tests.log" | head -30; tail -1 "$RESULTS/tests.log" ;;
+    size)
+      TTX_SIZE_TESTS=1 python3 -m pytest tests/test_limits_at_size.py -v -n 3 --dist load -p no:cacheprovider \
+        -o addopts="-raP --durations=10" > "$RESULTS/size.log" 2>&1
+      status=$((status | $?))
+      grep -E "largest relative error|^(FAILED|ERROR) " "$RESULTS/size.log"; tail -1 "$RESULTS/size.log" ;;
+    fuzz)
+      TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest tests/test_fuzz.py -v -p no:xdist \
+        -p no:cacheprovider -o addopts="-ra" --hypothesis-show-statistics > "$RESULTS/fuzz.log" 2>&1
+      status=$((status | $?))
+      grep -E "passing|Stopped|^(FAILED|ERROR) " "$RESULTS/fuzz.log"; tail -1 "$RESULTS/fuzz.log" ;;
     compile)
       python3 -m pytest tests/test_compile_targets.py -q -n "$workers" -p no:cacheprovider -o addopts="-ra" 2>&1 \
         | tee "$RESULTS/compile.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     notebooks)
-      python3 -m pytest notebooks -q -n 3 --dist loadfile -p no:cacheprovider 2>&1 | tee "$RESULTS/notebooks.log" | tail -25
+      python3 -m pytest notebooks -q -n 4 --dist loadfile -p no:cacheprovider 2>&1 | tee "$RESULTS/notebooks.log" | tail -25
       status=$((status | ${PIPESTATUS[0]})) ;;
     bench)
       python3 -m ttx_tutorial.bench --out "$RESULTS" "${bench_args[@]}" 2>&1 | tee "$RESULTS/bench.log"

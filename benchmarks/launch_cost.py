@@ -142,7 +142,7 @@ def main(argv=None):
     compiled = jit()
     # The compiled kernel takes every parameter positionally, constexprs included, in order.
     compiled_arguments = [*arguments, *constants.values()]
-    compiled_launch = compiled[grid]
+    compiled_launch = compiled[(grid[0], 1, 1)]  # a CompiledKernel takes a full 3-D grid
 
     x = torch.zeros(1, device=device)
     empty_pointers = {}
@@ -160,7 +160,7 @@ def main(argv=None):
     for pointers, (pointer_arguments, empty_compiled) in empty_pointers.items():
         rows[f"empty jit, {pointers} pointers"] = (
             lambda pa=pointer_arguments, p=pointers: empty_kernel[(1,)](*pa, 1, POINTERS=p))
-        launch = empty_compiled[(1,)]
+        launch = empty_compiled[(1, 1, 1)]
         rows[f"empty compiled, {pointers} pointers"] = (
             lambda pa=pointer_arguments, p=pointers, launch=launch: launch(*pa, 1, p))
     rows["torch add_"] = lambda: o.add_(1.0)
