@@ -26,7 +26,9 @@ other jobs):
 ``--profile STAGE`` prints cProfile's top functions of one stage (e.g. ``chunked:api``).
 
 Part 2, real launches, GPU only: host time per call of forward and forward+backward of
-chunked, scan and recurrent at (8, 16, 4096, 64) bfloat16, and of the step: calls enqueued
+chunked, scan and recurrent at (8, 16, 4096, 64) bfloat16 and again at T = 64 (the same
+launches with microseconds of GPU work, so that a loop the GPU holds back cannot pass for host
+time), and of the step: calls enqueued
 in a loop that never waits for the GPU (synchronised once at the end, outside the timing),
 as ``python -m ttx_tutorial.bench`` measures ``host_us``; next to it the GPU's time of one call
 replayed from a CUDA graph.
@@ -186,9 +188,9 @@ def profile(stages, stage, calls):
     pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
-def real_host_times():
-    """GPU only: {(name, mode): (host us per call, GPU ms of one call replayed)}."""
-    q, k, v = random_inputs(8, 16, 4096, 64, dtype=torch.bfloat16, seed=0)
+def real_host_times(T=4096):
+    """GPU only: {(name, mode): (host us per call, GPU ms of one call replayed)} at (8, 16, T, 64)."""
+    q, k, v = random_inputs(8, 16, T, 64, dtype=torch.bfloat16, seed=0)
     grad_o = torch.randn_like(v)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     rows = {}
@@ -240,11 +242,15 @@ def main():
 
     real = {}
     if ON_GPU:
-        print("\nReal launches at (8, 16, 4096, 64) bf16 (step: (8, 16, 64, 64)): host us per call in a loop, "
-              "GPU ms of a graph replay")
-        real = real_host_times()
-        for (name, mode), (host, gpu) in real.items():
-            print(f"  {name:10s} {mode:8s} host {host:7.1f} us   GPU {gpu:.4f} ms")
+        # At T = 4096 a loop of calls can outrun the GPU (gradients accumulate, as in training,
+        # and the launch queue fills), and then measures the GPU; at T = 64 the same launches do
+        # microseconds of GPU work, so the loop measures the host alone.
+        for T in (4096, 64):
+            print(f"\nReal launches at (8, 16, {T}, 64) bf16 (step: (8, 16, 64, 64)): host us per call in a loop, "
+                  "GPU ms of a graph replay")
+            for (name, mode), (host, gpu) in real_host_times(T).items():
+                real[(name, mode, T)] = (host, gpu)
+                print(f"  {name:10s} {mode:8s} host {host:7.1f} us   GPU {gpu:.4f} ms")
     if args.json:
         env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name() if ON_GPU else "CPU interpreter",
@@ -253,8 +259,8 @@ def main():
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "env": env, "stubbed_us": {k: round(v, 2) for k, v in stub.items()},
-            "real": [{"name": n, "mode": m, "host_us": round(h, 2), "gpu_ms": round(g, 5)}
-                     for (n, m), (h, g) in real.items()]}, indent=1))
+            "real": [{"name": n, "mode": m, "T": T, "host_us": round(h, 2), "gpu_ms": round(g, 5)}
+                     for (n, m, T), (h, g) in real.items()]}, indent=1))
 
 
 if __name__ == "__main__":
