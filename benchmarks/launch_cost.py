@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial import bench  # noqa: E402
 from ttx_tutorial.kernels import step  # noqa: E402
 
 
@@ -68,19 +68,13 @@ def host_us(fn, calls):
 
 
 def replay_us(fn, repeats=1):
-    """Microseconds of GPU time per call of ``fn``: ``repeats`` calls captured in one CUDA graph,
-    the median replay from do_bench divided by ``repeats``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Microseconds of GPU time per call of ``fn``: ``repeats`` calls captured in one CUDA graph
+    (``ttx_tutorial.bench.graph_ms``), divided by ``repeats``."""
+    def calls():
         for _ in range(repeats):
             fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / repeats
+
+    return 1e3 * bench.graph_ms(calls) / repeats
 
 
 def replay_rows(q, k, v, state, *, configs):
