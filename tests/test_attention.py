@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ttx_tutorial
+from ttx_tutorial import attention
 from ttx_tutorial.kernels import chunked
 from test_ops import calls, capturing_backend
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
@@ -350,6 +351,32 @@ def test_kernel_feature_maps_on_every_path(path, feature, with_state):
     dtype, D, E, config = KERNEL_PATHS[path]
     check_normalised_entry(chunked.chunked_normalized_attention, dtype, 45, D, E, config, with_state,
                            f"{feature} {path}", feature)
+
+
+def raising_feature_map(x):
+    raise AssertionError("the feature map ran in PyTorch")
+
+
+@pytest.mark.parametrize("feature", ["elu", "relu"])
+@pytest.mark.parametrize("method", ["chunked", "auto"])
+def test_named_feature_maps_run_inside_the_chunked_kernels(method, feature, monkeypatch):
+    """A named map with a method that resolves to chunked reaches the kernels with the raw q and k:
+    PyTorch's map is never called, forward or backward (``auto`` is chunked in CPU mode). The
+    recurrent kernels still take features mapped in PyTorch."""
+    monkeypatch.setitem(attention.FEATURE_MAPS, feature, raising_feature_map)
+    phi = FEATURE_MAPS[feature][1]
+    q, k, v = random_inputs(1, 2, 37, 12, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method=method)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
+    assert_close(out, expected, torch.bfloat16, "output")
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
+        tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[torch.bfloat16]
+        error = relative_error(leaf.grad, grad)
+        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+    with pytest.raises(AssertionError, match="the feature map ran in PyTorch"):
+        ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method="recurrent")
 
 
 @pytest.mark.parametrize("path", [path for path, (dtype, *_) in KERNEL_PATHS.items() if dtype != torch.bfloat16])
