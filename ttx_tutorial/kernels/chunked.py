@@ -401,7 +401,9 @@ def chunked_kernel(
                        mask=mask_d[:, None] & mask_t[None, :], other=0.0)         # [D, C]
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
-        b_q = _features(b_q, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
+        # phi(k) is 0 past T and D, so the state, z and the scores never see phi(q) there (and rows
+        # past T are not stored): q's padding needs no mask, which spares the loop registers.
+        b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
         b_kt = _features(b_kt, mask_d[:, None] & mask_t[None, :], FEATURE_MAP, INTERPRETED)
         if INTERPRETED:
             b_q = b_q.to(tl.float32)
