@@ -653,16 +653,18 @@ def attention64_by_chunks(q, k, v, phi, eps, chunk=1024):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("feature", ["elu", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype):
-    """The chunked kernel's normaliser over 65536 tokens, one launch forward and one backward:
-    out and the gradients of q, k and v against float64 (on the GPU, chunk by chunk)."""
+def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype, feature):
+    """The chunked kernel's normaliser over 65536 tokens, the feature map inside, one launch
+    forward and one backward: out and the gradients of q, k and v against float64 (on the GPU,
+    chunk by chunk)."""
     q, k, v = random_inputs(1, 2, 65536, 64, 64, dtype=dtype, requires_grad=True)
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
+    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method="chunked")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected = attention64_by_chunks(*leaves, lambda x: F.elu(x) + 1, 1e-6)
+    expected = attention64_by_chunks(*leaves, FEATURE_MAPS[feature][1], 1e-6)
     assert_close(out, expected, dtype, "output")
     for label, leaf, grad in zip("qkv", (q, k, v), torch.autograd.grad(expected, leaves, grad_out.double())):
         # dq's cancellation (check_against_reference) magnifies the rounding of the float32 state:

@@ -20,6 +20,11 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
 and adds the denominator's gradient in the same walks (the three passes: in PyTorch).
+``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
+and k by phi(q), phi(k) as they are loaded, in float32 then rounded to the input dtype as the
+products take them, with k's padding (past T and D) kept at 0; the backward maps them again and
+stores dq = dphi(q) * phi'(q), dk likewise (elu + 1: phi' = min(phi, 1); relu: 0 where phi <= 0),
+and its PyTorch passes map the same way. "identity" compiles to the kernels without a map.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -38,7 +43,8 @@ product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chun
 adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
-"tf32x3" and "tf32" and the token-by-token walks below included).
+"tf32x3" and "tf32" and the token-by-token walks below included). ``FEATURE_MAP`` "elu" and
+"relu": interpreted and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
