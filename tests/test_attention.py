@@ -237,26 +237,32 @@ def check_gradients(leaves, expected, dtype, what):
 
 
 # 77 tokens: four chunks of 16 (float32) and one of 64 (16-bit inputs), each with a partial last chunk.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("feature", ["elu", "relu", "callable"])
-def test_kernel_normaliser_matches_float64_with_states_and_gradients(feature, dtype):
-    """method="chunked" normalises in the kernel: out, the (S, z) state it returns and the
-    gradients of q, k, v and the initial state against float64, outputs poisoned beforehand."""
+def check_kernel_normaliser_with_state(method, T, E, feature, dtype):
+    """causal_linear_attention(method=...) normalising in its kernels: out, the (S, z) state it
+    returns and the gradients of q, k, v and the initial state against float64, outputs
+    poisoned beforehand (D = 16)."""
     name, phi, _ = FEATURE_MAPS[feature]
-    q, k, v = random_inputs(1, 2, 77, 16, 24, dtype=dtype, requires_grad=True)
-    s0 = state_after_prefix(1, 2, 16, 24, phi)
+    q, k, v = random_inputs(1, 2, T, 16, E, dtype=dtype, requires_grad=True)
+    s0 = state_after_prefix(1, 2, 16, E, phi)
     with poisoned_allocations():
-        out, state = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, method="chunked",
+        out, state = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, method=method,
                                                           initial_state=s0, return_state=True)
         grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
         torch.autograd.backward((out, state), (grad_out, grad_state))
-    assert out.dtype == dtype and state.shape == (1, 2, 16, 25) and state.dtype == torch.float32
+    assert out.dtype == dtype and state.shape == (1, 2, 16, E + 1) and state.dtype == torch.float32
     expected_out, expected_state, *expected_grads = reference_with_state((q, k, v), s0, phi, 1e-6, grad_out,
                                                                          grad_state)
     assert_close(out, expected_out, dtype, "output")
     # The feature map runs in the input dtype here, and in float64 in the reference.
     assert_close(state, expected_state, dtype, "final (S, z)")
-    check_gradients((q, k, v, s0), expected_grads, dtype, f"{feature} {dtype}")
+    check_gradients((q, k, v, s0), expected_grads, dtype, f"{method} {feature} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("feature", ["elu", "relu", "callable"])
+def test_kernel_normaliser_matches_float64_with_states_and_gradients(feature, dtype):
+    """method="chunked" normalises in the kernel (the named maps inside it too)."""
+    check_kernel_normaliser_with_state("chunked", 77, 24, feature, dtype)
 
 
 #: (dtype, D, E, config): which backward runs and how many value blocks the forward splits E into.

@@ -16,9 +16,9 @@ from ttx_tutorial.kernels import recurrent
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error,
                                   run_python)
 from test_recurrent import _RECORD_AND_COMPILE
-from test_attention import (FEATURE_MAPS, NORMALISED_BF16_DQ_TOLERANCE, attention64_by_chunks,
-                            check_gradient_of_the_state_alone, check_gradients,
-                            check_gradients_of_values_far_from_zero, check_long_sequence_stays_finite,
+from test_attention import (NORMALISED_BF16_DQ_TOLERANCE, attention64_by_chunks,
+                            check_gradient_of_the_state_alone, check_gradients_of_values_far_from_zero,
+                            check_kernel_normaliser_with_state, check_long_sequence_stays_finite,
                             check_normalised_entry, reference_attention, reference_gradients,
                             reference_with_state, state_after_prefix)
 
@@ -33,22 +33,8 @@ def phi(x):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("feature", ["elu", "relu", "callable"])
 def test_method_recurrent_matches_float64_with_states_and_gradients(feature, dtype):
-    """causal_linear_attention(method="recurrent"): out, the (S, z) state and the gradients of
-    q, k, v and the initial state against float64."""
-    name, feature_map, _ = FEATURE_MAPS[feature]
-    q, k, v = random_inputs(1, 2, 23, 16, 12, dtype=dtype, requires_grad=True)
-    s0 = state_after_prefix(1, 2, 16, 12, feature_map)
-    with poisoned_allocations():
-        out, state = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, method="recurrent",
-                                                          initial_state=s0, return_state=True)
-        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
-        torch.autograd.backward((out, state), (grad_out, grad_state))
-    assert out.dtype == dtype and state.shape == (1, 2, 16, 13) and state.dtype == torch.float32
-    expected_out, expected_state, *expected_grads = reference_with_state((q, k, v), s0, feature_map, 1e-6,
-                                                                         grad_out, grad_state)
-    assert_close(out, expected_out, dtype, "output")
-    assert_close(state, expected_state, dtype, "final (S, z)")  # phi runs in the input dtype here
-    check_gradients((q, k, v, s0), expected_grads, dtype, f"{feature} {dtype}")
+    """causal_linear_attention(method="recurrent") normalises in its walks."""
+    check_kernel_normaliser_with_state("recurrent", 23, 12, feature, dtype)
 
 
 def test_method_recurrent_normalises_in_the_kernel(monkeypatch):
