@@ -6,9 +6,9 @@
 Rows (bfloat16; (B, H, T, D = E) = (8, 16, 4096, 64) on a GPU, (1, 2, 64, 16) in CPU mode):
   plain            causal_product(q, k, v), forward and forward+backward
   normalised       causal_linear_attention(q, k, v): elu + 1 features; "auto" picks chunked at
-                   both sizes, whose kernels map q and k and compute the normaliser beside the
-                   state, forward and backward; and with feature_map="identity" on features
-                   mapped beforehand (what fla's kernels take)
+                   both sizes, whose kernels compute the normaliser beside the state, forward
+                   and backward; and with feature_map="identity" on features mapped beforehand
+                   (what fla's kernels take)
   fla_fused_chunk  fla's fused_chunk_linear_attn(normalize=True) on the same mapped features,
                    (B, T, H, D) layout made outside the timings; skipped when fla is missing
   compiled_*       torch.compile(mode="reduce-overhead", fullgraph=True) of plain and normalised

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import ttx_tutorial
-from ttx_tutorial import attention
 from ttx_tutorial.kernels import chunked
 from test_ops import calls, capturing_backend
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
@@ -275,28 +274,24 @@ KERNEL_PATHS = {
 }
 
 
-def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what, feature="identity"):
+def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what):
     """A kernel file's normalised entry, ``entry(q, k, v, s0, eps=, config=)``, on elu + 1
     features of (1, 2, T, D, E) inputs, outputs poisoned: out, the (S, z) state and the gradients
-    of q, k, v (and S_0 ``with_state``) against float64. With a named ``feature`` the entry
-    takes the raw inputs and ``feature_map=feature``, and the gradients are those of the raw q, k."""
-    phi = FEATURE_MAPS["elu" if feature == "identity" else feature][1]
+    of q, k, v (and S_0 ``with_state``) against float64."""
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
     raw = random_inputs(1, 2, T, D, E, dtype=dtype)
-    mapped = feature == "identity"
-    q, k = ((phi(x) if mapped else x).detach().requires_grad_() for x in raw[:2])
+    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
     v = raw[2].requires_grad_()
     s0 = state_after_prefix(1, 2, D, E, phi) if with_state else None
-    mapping = {} if mapped else {"feature_map": feature}
     with poisoned_allocations():
-        out, state = entry(q, k, v, s0, eps=1e-3, config=config, **mapping)
+        out, state = entry(q, k, v, s0, eps=1e-3, config=config)
         grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
         torch.autograd.backward((out, state), (grad_out, grad_state))
     s0_reference = torch.zeros_like(state) if s0 is None else s0
     expected_out, expected_state, *expected_grads = reference_with_state(
-        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=mapped)
+        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=True)
     assert_close(out, expected_out, dtype, f"{what} output")
-    # Features mapped in the kernel are rounded to the input dtype, those of the reference are not.
-    assert_close(state, expected_state, torch.float32 if mapped else dtype, f"{what} final (S, z)")
+    assert_close(state, expected_state, torch.float32, f"{what} final (S, z)")
     check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, what)
 
 
@@ -346,51 +341,6 @@ def test_kernel_normaliser_value_blocks_and_backward_paths(path, with_state):
     check_normalised_entry(chunked.chunked_normalized_attention, dtype, 45, D, E, config, with_state, path)
 
 
-@pytest.mark.parametrize("feature, with_state", [("elu", True), ("relu", False)])
-@pytest.mark.parametrize("path", KERNEL_PATHS)
-def test_kernel_feature_maps_on_every_path(path, feature, with_state):
-    """The kernels map raw q and k themselves (``feature_map``), forward and backward: the
-    forward's chunk loop, the fused backward's two walks (dq and dk through phi') and the
-    passes, which map in PyTorch as the kernels do. D and E are not powers of two on most paths,
-    and 45 tokens end inside a chunk: the padding, which loads as 0 and which elu + 1 would map
-    to 1, must stay 0."""
-    dtype, D, E, config = KERNEL_PATHS[path]
-    check_normalised_entry(chunked.chunked_normalized_attention, dtype, 45, D, E, config, with_state,
-                           f"{feature} {path}", feature)
-
-
-def raising_feature_map(x):
-    raise AssertionError("the feature map ran in PyTorch")
-
-
-@pytest.mark.parametrize("feature", ["elu", "relu"])
-@pytest.mark.parametrize("method", ["chunked", "auto"])
-def test_named_feature_maps_run_inside_the_chunked_kernels(method, feature, monkeypatch):
-    """A named map with a method that resolves to chunked reaches the kernels with the raw q and k:
-    PyTorch's map is never called, forward or backward (``auto`` is chunked in CPU mode). The
-    recurrent kernels still take features mapped in PyTorch."""
-    monkeypatch.setitem(attention.FEATURE_MAPS, feature, raising_feature_map)
-    phi = FEATURE_MAPS[feature][1]
-    q, k, v = random_inputs(1, 2, 37, 12, 8, dtype=torch.bfloat16)
-    # Shifted up, so that relu leaves no query with a denominator near eps: there bfloat16's dk
-    # (and dq) lose digits to the normaliser's cancellation in the kernels and in PyTorch alike
-    # (dk 9e-2 off in 3 draws of 60 unshifted; at most 7.5e-3 in 150 shifted).
-    q, k = (x + 0.5 for x in (q, k))
-    for x in (q, k, v):
-        x.requires_grad_()
-    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method=method)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
-    assert_close(out, expected, torch.bfloat16, "output")
-    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[torch.bfloat16]
-        error = relative_error(leaf.grad, grad)
-        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
-    with pytest.raises(AssertionError, match="the feature map ran in PyTorch"):
-        ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method="recurrent")
-
-
 @pytest.mark.parametrize("path", [path for path, (dtype, *_) in KERNEL_PATHS.items() if dtype != torch.bfloat16])
 def test_kernel_normaliser_gradients_of_values_far_from_zero(path):
     """Values of mean 3: out_t is near 3 too, so the denominator's gradient r_t = -(g_t . out_t)
@@ -433,9 +383,6 @@ def test_kernel_normaliser_errors_are_named():
         chunked.chunked_normalized_attention(q, k, v, eps=-1.0)
     with pytest.raises(TypeError, match="eps must be a float"):
         chunked.chunked_normalized_attention(q, k, v, eps=None)
-    for bad in ("gelu", F.elu, None):
-        with pytest.raises(ValueError, match=r"feature_map must be one of \('elu', 'relu', 'identity'\)"):
-            chunked.chunked_normalized_attention(q, k, v, feature_map=bad)
     with pytest.raises(ValueError, match=r"feature_map must keep the shape and dtype of q \(torch.float32"):
         ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", feature_map=lambda x: x.double().exp())
 
@@ -665,18 +612,16 @@ def attention64_by_chunks(q, k, v, phi, eps, chunk=1024):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("feature", ["elu", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype, feature):
-    """The chunked kernel's normaliser over 65536 tokens, the feature map inside, one launch
-    forward and one backward: out and the gradients of q, k and v against float64 (on the GPU,
-    chunk by chunk)."""
+def test_gpu_kernel_normaliser_gradients_at_65536_tokens(dtype):
+    """The chunked kernel's normaliser over 65536 tokens, one launch forward and one backward:
+    out and the gradients of q, k and v against float64 (on the GPU, chunk by chunk)."""
     q, k, v = random_inputs(1, 2, 65536, 64, 64, dtype=dtype, requires_grad=True)
-    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method="chunked")
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected = attention64_by_chunks(*leaves, FEATURE_MAPS[feature][1], 1e-6)
+    expected = attention64_by_chunks(*leaves, lambda x: F.elu(x) + 1, 1e-6)
     assert_close(out, expected, dtype, "output")
     for label, leaf, grad in zip("qkv", (q, k, v), torch.autograd.grad(expected, leaves, grad_out.double())):
         # dq's cancellation (check_against_reference) magnifies the rounding of the float32 state:

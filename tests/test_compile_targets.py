@@ -84,7 +84,7 @@ def wrapper_calls(module):
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
-            normalized=False, feature_map=None):
+            normalized=False):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
@@ -96,14 +96,12 @@ def wrapper_calls(module):
                   if with_state else None)
             if normalized:  # the states carry z as an extra column
                 packing = {} if packed is None else {"cu_seqlens": packed}
-                mapping = {} if feature_map is None else {"feature_map": feature_map}
-                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing, **mapping)
+                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing)
             else:
                 o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
-                "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized,
-                "feature_map": feature_map}
+                "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -132,13 +130,6 @@ def wrapper_calls(module):
                         add(B, H, T, D, E, dtype, with_state=(T != 100), normalized=True)
         for dtype in (torch.float16, torch.bfloat16):
             add(1, 1, LONG_T, 64, 64, dtype, normalized=True)
-        # chunked's feature maps inside its normalised kernels (FEATURE_MAP): padded heads in every
-        # dtype, the benchmark head, and relu once (each map is its own compiled variant).
-        if "feature_map" in inspect.signature(module._run_normalized_validated).parameters:
-            for dtype in DTYPES:
-                add(2, 3, 777, 17, 33, dtype, normalized=True, feature_map="elu")
-            add(2, 3, 777, 64, 64, torch.bfloat16, normalized=True, feature_map="elu")
-            add(2, 3, 777, 17, 33, torch.bfloat16, normalized=True, feature_map="relu")
         # recurrent's normalised packed sequences (IS_VARLEN with NORMALIZE), both walks.
         if "cu_seqlens" in inspect.signature(module._run_normalized_validated).parameters:
             for dtype in DTYPES:

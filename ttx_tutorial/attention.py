@@ -13,15 +13,11 @@ entry) from dividing by zero.
 The normaliser costs no pass of its own. The chunked kernel computes it (method "chunked",
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
-store, and the backward kernel takes the denominator's gradient in the same walks. The named
-maps "elu" and "relu" are applied there too, to q and k as the kernels load them (the backward
-maps them again and takes dq, dk through phi'), so no PyTorch pass over q and k is left;
-callables are applied by PyTorch first. The recurrent kernels compute the normaliser in their
-walks (method "recurrent"), forward and backward (two elementwise passes first make the
-backward's dO_t / (d_t + eps) and the denominator's gradient), on features PyTorch maps.
+store, and the backward kernel takes the denominator's gradient in the same walks. The
+recurrent kernels do the same in their walks (method "recurrent"), forward and backward (two
+elementwise passes first make the backward's dO_t / (d_t + eps) and the denominator's gradient).
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
-normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
-there takes the ones column.
+normalised product, which runs the chunked kernels; "recurrent" there takes the ones column.
 The other methods append a column of ones to v instead: the product then carries z_t as the
 last column of its float32 state, and its last output column is phi(q_t)^T z_t. Either way the
 state of the normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in
@@ -176,12 +172,6 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
-            if kernel_file is _chunked and isinstance(feature_map, str) and not torch.compiler.is_compiling():
-                # The chunked kernels map q and k as they load them: no pass over q and k here.
-                with _on_tensors_device(q):
-                    out, state = _chunked._run_normalized_validated(q, k, v, initial_state, eps,
-                                                                    feature_map=feature_map)
-                return (out, state) if return_state else out
             phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)

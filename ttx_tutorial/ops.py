@@ -90,7 +90,6 @@ class _SavedInputs:
         self.saved_tensors = (q, k, v, initial_state, cu_seqlens)
         self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
         self.config = None
-        self.feature_map = "identity"  # the graph maps q and k before the operator
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product_backward", mutates_args=())
@@ -231,7 +230,6 @@ class _SavedNormalizedInputs:
         self.saved_tensors = (q, k, v, initial_state, o, denominator)
         self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
         self.config = None
-        self.feature_map = "identity"  # the graph maps q and k before the operator
 
 
 @torch.library.custom_op("ttx_tutorial::normalized_causal_product_backward", mutates_args=())

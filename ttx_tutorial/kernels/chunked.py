@@ -20,11 +20,6 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
 and adds the denominator's gradient in the same walks (the three passes: in PyTorch).
-``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
-and k by phi(q), phi(k) as they are loaded, in float32 then rounded to the input dtype as the
-products take them, with k's padding (past T and D) kept at 0; the backward maps them again and
-stores dq = dphi(q) * phi'(q), dk likewise (elu + 1: phi' = min(phi, 1); relu: 0 where phi <= 0),
-and its PyTorch passes map the same way. "identity" compiles to the kernels without a map.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -43,8 +38,7 @@ product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chun
 adds it with a Kahan carry.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
-"tf32x3" and "tf32" and the token-by-token walks below included). ``FEATURE_MAP`` "elu" and
-"relu": interpreted and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
+"tf32x3" and "tf32" and the token-by-token walks below included).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
@@ -97,35 +91,6 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
-
-
-@triton.jit
-def _features(x, mask, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
-    """phi(x) of a tile of q or k as loaded: computed in float32, rounded to x's dtype as the
-    products take it, and 0 where ``mask`` is false (padding loads as 0, which elu + 1 maps to 1).
-    "elu": elu(x) + 1, written x + 1 or exp(x) to avoid the cancellation of (exp(x) - 1) + 1;
-    "relu": NaN stays NaN, as in PyTorch; "identity": x itself."""
-    if FEATURE_MAP == "identity":
-        return x
-    b_x = x.to(tl.float32)
-    if FEATURE_MAP == "elu":
-        b_phi = tl.where(b_x > 0, b_x + 1.0, tl.exp(b_x))
-    else:
-        b_phi = tl.where(b_x < 0, 0.0, b_x)
-    return _rounded(tl.where(mask, b_phi, 0.0), x.dtype, INTERPRETED)
-
-
-@triton.jit
-def _through_features(b_grad, b_phi, FEATURE_MAP: tl.constexpr):
-    """The gradient of x from b_grad (float32), that of phi(x), and phi(x) as ``_features`` made
-    it. elu + 1: phi'(x) = 1 for x > 0, exp(x) = phi(x) below, so min(phi(x), 1) (the derivative
-    rounded as phi was). relu: 0 where phi(x) <= 0, selected (an inf gradient times 0 is NaN)."""
-    if FEATURE_MAP == "elu":
-        b_phi = b_phi.to(tl.float32)
-        return b_grad * tl.where(b_phi < 1.0, b_phi, 1.0)
-    if FEATURE_MAP == "relu":
-        return tl.where(b_phi <= 0, 0.0, b_grad)
-    return b_grad
 
 
 @triton.jit
@@ -189,10 +154,9 @@ def _start_state(state_ptr, has_state, D, E, first_column, stride_sd, stride_se,
 def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, has_state, T, D, E, first_column, reverse, eps,
                             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
                             stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                            NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
+                            NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites o for tokens [0, T) from the start state, one token at a time in walk order, in
-    float32: S <- S + k_t v_t^T, o_t = q_t S (NORMALIZE: z <- z + k_t, o_t / (q_t . z + eps)),
-    q_t and k_t mapped by FEATURE_MAP as in the chunk loop.
+    float32: S <- S + k_t v_t^T, o_t = q_t S (NORMALIZE: z <- z + k_t, o_t / (q_t . z + eps)).
     No product multiplies a token that o_t must not see, so an inf or NaN reaches exactly the
     outputs it reaches in the recurrence. Vectors and the state only: fewer registers than a chunk."""
     b_state, b_z = _start_state(state_ptr, has_state, D, E, first_column, stride_sd, stride_se,
@@ -203,10 +167,8 @@ def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, has_state, T,
     mask_e = offs_e < E
     for i in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = tl.where(reverse != 0, T - 1 - i, i)
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
-        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
-        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_state += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(b_q[:, None] * b_state, 0)
@@ -232,16 +194,14 @@ def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_d
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, denominator_ptr, state_ptr,
-                                    has_state, T, D, E, stride_dot, stride_doe, stride_vt, stride_ve,
-                                    stride_kt, stride_kd, stride_qt, stride_qd, stride_dqt, stride_dqd,
-                                    stride_ot, stride_oe, stride_sd, stride_se,
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denominator_ptr, state_ptr, has_state,
+                                    T, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_dqt, stride_dqd, stride_ot, stride_oe, stride_sd, stride_se,
                                     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                                    NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
+                                    NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for tokens [0, T) from P = S_0 (D x E, and z_0), one token at a time:
     P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t, plus r_t z), in float32; causal by
-    construction, as ``_outputs_token_by_token``. With a FEATURE_MAP, k_t is mapped and dq_t taken
-    through phi(q_t) (q is read only then)."""
+    construction, as ``_outputs_token_by_token``."""
     b_p, b_z = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
@@ -250,17 +210,13 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, 
     for t in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
                                                    stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
-        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_p += b_k[:, None] * b_v[None, :]
         b_dq = tl.sum(b_p * b_g[None, :], 1)
         if NORMALIZE:
             b_z += b_k
             b_dq += b_grad_denominator * b_z
-        if FEATURE_MAP != "identity":
-            b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
-            b_dq = _through_features(b_dq, _features(b_q, mask_d, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
         tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
 
@@ -271,12 +227,11 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
                                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
                                         stride_ot, stride_oe, stride_sd, stride_se,
-                                        BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-                                        FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
+                                        BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                        NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for tokens [0, T), last first, from R = G (and dz = G's z column), one
     token at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t,
-    dk_t plus dz), in float32; causal by construction, as ``_outputs_token_by_token``. With a
-    FEATURE_MAP, q_t and k_t are mapped and dk_t taken through phi(k_t)."""
+    dk_t plus dz), in float32; causal by construction, as ``_outputs_token_by_token``."""
     b_r, b_dz = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
@@ -286,17 +241,14 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
         t = T - 1 - i
         b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
                                                    stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
-        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
-        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_r += b_q[:, None] * b_g[None, :]
         b_dk = tl.sum(b_r * b_v[None, :], 1)
         if NORMALIZE:
             b_dz += b_grad_denominator * b_q
             b_dk += b_dz
-        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_dv = tl.sum(b_r * b_k[:, None], 0)
         tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
@@ -330,7 +282,6 @@ def chunked_kernel(
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,        # q, k, v, o hold B sequences packed in one row (see the header)
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only)
-    FEATURE_MAP: tl.constexpr,      # NORMALIZE: q and k are mapped by "elu" or "relu" as loaded, or "identity"
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
@@ -407,10 +358,6 @@ def chunked_kernel(
                        mask=mask_d[:, None] & mask_t[None, :], other=0.0)         # [D, C]
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
-        # phi(k) is 0 past T and D, so the state, z and the scores never see phi(q) there (and rows
-        # past T are not stored): q's padding needs no mask, which spares the loop registers.
-        b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
-        b_kt = _features(b_kt, mask_d[:, None] & mask_t[None, :], FEATURE_MAP, INTERPRETED)
         if INTERPRETED:
             b_q = b_q.to(tl.float32)
             b_kt = b_kt.to(tl.float32)
@@ -452,7 +399,7 @@ def chunked_kernel(
                                 initial_state_arg + (row // H) * stride_s0b + h * stride_s0h, has_initial_state,
                                 tokens, D, E, first_column, reverse, eps, stride_qt, stride_qd, stride_kt, stride_kd,
                                 stride_vt, stride_ve, stride_ot, stride_oe, stride_s0d, stride_s0e,
-                                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+                                BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 @triton.jit
@@ -487,7 +434,6 @@ def chunked_backward_kernel(
     COMPENSATED: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
-    FEATURE_MAP: tl.constexpr,      # NORMALIZE: the forward's map; dq and dk are taken through it
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
@@ -508,8 +454,6 @@ def chunked_backward_kernel(
     # and to dk_s the sum of r_t q_t over the later chunks' tokens and the final z's gradient
     # (dz, carried next to R; what it ends as is dz_0). One program holds every column of a token,
     # so r_t is computed here.
-    # FEATURE_MAP: q and k are mapped as loaded, as in the forward, the walks run on phi(q), phi(k),
-    # and the gradients of phi(q) and phi(k) are taken through the map before their store.
     # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -571,7 +515,6 @@ def chunked_backward_kernel(
                            mask=mask_e[:, None] & mask_t[None, :], other=0.0)           # [E, C]
             b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
                           mask=mask_td, other=0.0)                                      # [C, D]
-            b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
             if INTERPRETED:
                 b_do = b_do.to(tl.float32)
                 b_vt = b_vt.to(tl.float32)
@@ -594,10 +537,6 @@ def chunked_backward_kernel(
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
-            if FEATURE_MAP != "identity":  # dq = the gradient of phi(q) times phi'(q)
-                b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                              mask=mask_td, other=0.0)
-                b_dq = _through_features(b_dq, _features(b_q, mask_td, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -608,13 +547,11 @@ def chunked_backward_kernel(
                 do_arg + batch * stride_dob + h_dq * stride_doh + first * stride_dot,
                 v_arg + batch * stride_vb + h_dq * stride_vh + first * stride_vt,
                 k_arg + batch * stride_kb + h_dq * stride_kh + first * stride_kt,
-                q_arg + batch * stride_qb + h_dq * stride_qh + first * stride_qt,
                 dq_arg + batch * stride_dqb + h_dq * stride_dqh + first * stride_dqt,
                 o_arg + batch * stride_ob + h_dq * stride_oh, denominator_arg + row * T_dq,
                 initial_state_arg + (row // H) * stride_s0b + h_dq * stride_s0h, has_initial_state,
-                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
-                stride_dqt, stride_dqd, stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE,
-                FEATURE_MAP, INTERPRETED)
+                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
+                stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -638,8 +575,6 @@ def chunked_backward_kernel(
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
         b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
                        other=0.0)
-        b_q = _features(b_q, mask_td, FEATURE_MAP, INTERPRETED)
-        b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
         if INTERPRETED:
             b_q = b_q.to(tl.float32)
             b_k = b_k.to(tl.float32)
@@ -669,7 +604,6 @@ def chunked_backward_kernel(
         if NORMALIZE:
             b_dk += b_dz[None, :]
             b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
-        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
         b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
 
@@ -698,7 +632,7 @@ def chunked_backward_kernel(
             denominator_arg + row * tokens, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
             stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
-            BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -861,12 +795,12 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
 
 
 def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denominator=None, eps=0.0,
-            out_dtype=None, feature_map="identity"):
+            out_dtype=None):
     """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated,
     o in ``out_dtype`` (None: v's). With ``cu_seqlens``, q, k, v hold its sequences packed in one
     row, and the states are per sequence: (N, H, D, E). With ``denominator``, a (B, H, T) float32
     tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have E + 1
-    columns, z last (not with ``cu_seqlens``), and ``feature_map`` maps q and k in the kernel."""
+    columns, z last (not with ``cu_seqlens``)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:  # one program row and one state per packed sequence
@@ -894,7 +828,7 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
             denominator if normalize else final_state,
             T, H, D, E, int(reverse), int(has_initial_state), float(eps),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *initial_state.stride(), *final_state.stride(),
-            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, FEATURE_MAP=feature_map, **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
         )
     return o, final_state
 
@@ -941,13 +875,12 @@ def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides, normal
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
-                     cu_seqlens=None, o=None, denominator=None, feature_map="identity"):
+                     cu_seqlens=None, o=None, denominator=None):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
     initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros
     (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence). With the forward's ``o``
     and ``denominator``, the normalised backward (NORMALIZE): the three states then have E + 1
-    columns, z last, and q, k are mapped by the forward's ``feature_map``. launch_keywords:
-    ``_backward_plan``'s."""
+    columns, z last. launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -970,7 +903,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, FEATURE_MAP=feature_map, **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
         )
     return dq, dk, dv, ds0
 
@@ -1016,45 +949,23 @@ class _ChunkedCausalProduct(torch.autograd.Function):
                 grad_initial_state if needs_initial_state else None, None, None)
 
 
-def _launch_normalized(q, k, v, initial_state, eps, config, feature_map="identity"):
+def _launch_normalized(q, k, v, initial_state, eps, config):
     """The normalised forward in one pass: (out, final_state (B, H, D, E + 1), d + eps (B, H, T))."""
     B, H, T, _ = q.shape
     denominator = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, denominator=denominator, eps=eps,
-                             feature_map=feature_map)
+    o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, denominator=denominator, eps=eps)
     return o, final_state, denominator
 
 
-def _features_of(x, feature_map):
-    """phi(x) in PyTorch as the kernels compute it (``_features``): in float32, rounded to x's dtype."""
-    x32 = x.float()
-    if feature_map == "elu":
-        return torch.where(x32 > 0, x32 + 1, torch.exp(x32)).to(x.dtype)
-    return torch.where(x32 < 0, 0.0, x32).to(x.dtype)
-
-
-def _through_features_of(grad, phi, feature_map):
-    """The gradient of x from ``grad``, that of phi(x), as the kernels take it (``_through_features``)."""
-    phi = phi.float()
-    if feature_map == "elu":
-        return grad * torch.where(phi < 1, phi, 1.0)
-    return torch.where(phi <= 0, 0.0, grad)
-
-
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
-                                   needs_input_grad, feature_map="identity"):
+                                   needs_input_grad):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
     plain backward's passes on g = dO / (d + eps), plus the denominator's terms (its gradient
     r_t = -(g_t . out_t)) as PyTorch operations in float32. The dq and dk passes write float32:
     the denominator's terms cancel much of them, which would magnify a 16-bit rounding. float16
-    runs the passes in float32: g falls below float16's normal range once d_t is a few thousand.
-    With a ``feature_map``, q and k are mapped here as the forward's kernel mapped them, and dq,
-    dk are taken through the map."""
+    runs the passes in float32: g falls below float16's normal range once d_t is a few thousand."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
-    raw_q, raw_k = q, k
-    if feature_map != "identity":
-        q, k = _features_of(q, feature_map), _features_of(k, feature_map)
     work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     q_w, k_w, v_w, g_w = (x.to(work_dtype) for x in (q, k, v, grad_o.float() / denominator[..., None]))
     r = -(g_w.float() * o.float()).sum(-1, keepdim=True)  # (B, H, T, 1), from the g the passes see
@@ -1065,10 +976,7 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
         z = k.float().cumsum(2)
         if initial_state is not None:
             z += initial_state[..., E].unsqueeze(2)
-        grad_q = grad_q + r * z
-        if feature_map != "identity":
-            grad_q = _through_features_of(grad_q, q, feature_map)
-        grad_q = grad_q.to(raw_q.dtype)
+        grad_q = (grad_q + r * z).to(q.dtype)
     # dz_s = G_z + sum_{t >= s} r_t q_t reaches every key s; its value at s = 0 is dz_0.
     weighted_q = r * q.float()
     if needs_k:  # dk_s = plain(g) + dz_s
@@ -1077,10 +985,7 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
         dz = weighted_q.flip(2).cumsum(2).flip(2)
         if grad_final_state is not None:
             dz += grad_final_state[..., E].unsqueeze(2)
-        grad_k = grad_k + dz
-        if feature_map != "identity":
-            grad_k = _through_features_of(grad_k, k, feature_map)
-        grad_k = grad_k.to(raw_k.dtype)
+        grad_k = (grad_k + dz).to(k.dtype)
     if needs_v or needs_initial_state:
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
         grad_v, grad_s0 = _launch(k_w, q_w, g_w, g_s, reverse=True, config=config)
@@ -1096,12 +1001,11 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
     """Forward: one pass. Backward: one fused launch, or the plain passes on g and PyTorch's terms."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, eps, config, feature_map):
+    def forward(ctx, q, k, v, initial_state, eps, config):
         ctx.set_materialize_grads(False)
-        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config, feature_map)
-        ctx.save_for_backward(q, k, v, initial_state, o, denominator)  # q, k as given: the backward maps them again
+        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config)
+        ctx.save_for_backward(q, k, v, initial_state, o, denominator)
         ctx.config = config
-        ctx.feature_map = feature_map
         return o, final_state
 
     @staticmethod
@@ -1117,13 +1021,13 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
         if fused is not None:
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q, o=o,
-                denominator=denominator, feature_map=ctx.feature_map)
+                denominator=denominator)
         else:
             grad_q, grad_k, grad_v, grad_initial_state = _normalized_backward_in_passes(
                 q, k, v, initial_state, o, denominator, grad_o, grad_final_state, ctx.config,
-                ctx.needs_input_grad[:4], ctx.feature_map)
+                ctx.needs_input_grad[:4])
         return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
-                grad_initial_state if needs_initial_state else None, None, None, None)
+                grad_initial_state if needs_initial_state else None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -1301,42 +1205,29 @@ def _check_eps(eps):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-#: Feature maps the normalised kernels apply to q and k as they load them.
-FEATURE_MAPS = ("elu", "relu", "identity")
-
-
-def _check_feature_map(feature_map):
-    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {FEATURE_MAPS} (apply others to q and k first and pass "
-                         f"'identity'), got {feature_map!r}")
-
-
-def chunked_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, feature_map="identity"):
-    """Normalised causal linear attention of features phi(q), phi(k):
-    out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps), S_t = S_0 + sum_{s<=t} phi(k_s) v_s^T,
-    z_t = z_0 + sum_{s<=t} phi(k_s), numerator and denominator accumulated in float32 in one pass.
-    feature_map, applied by the kernels as they load q and k (no pass of its own): "elu"
-    (elu(x) + 1), "relu", or "identity" (the default: q, k are features already). eps (finite,
-    >= 0) is added once, to phi(q_t)^T z_t. Shapes and dtypes as ``chunked_causal_product``;
-    initial_state: None or (B, H, D, E + 1) float32, S_0 then z_0 as the last column. Returns
-    (out, final_state): out in the input dtype, final_state (B, H, D, E + 1) float32 in the same
-    layout. Differentiable in q, k, v and initial_state."""
+def chunked_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None):
+    """Normalised causal linear attention of features q, k (the feature map already applied):
+    out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
+    numerator and denominator accumulated in float32 in one pass. eps (finite, >= 0) is added
+    once, to q_t^T z_t. Shapes and dtypes as ``chunked_causal_product``; initial_state: None or
+    (B, H, D, E + 1) float32, S_0 then z_0 as the last column. Returns (out, final_state): out in
+    the input dtype, final_state (B, H, D, E + 1) float32 in the same layout. Differentiable in
+    q, k, v and initial_state."""
     check_inputs(q, k, v, initial_state, normalized=True)
     _check_eps(eps)
-    _check_feature_map(feature_map)
     if initial_state is not None:
         initial_state = initial_state.float()
-    return _run_normalized_validated(q, k, v, initial_state, eps, config, feature_map)
+    return _run_normalized_validated(q, k, v, initial_state, eps, config)
 
 
-def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, feature_map="identity"):
-    """``chunked_normalized_attention`` for inputs, eps and feature_map included, already checked."""
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None):
+    """``chunked_normalized_attention`` for inputs, eps included, already checked."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ChunkedNormalizedAttention.apply(q, k, v, initial_state, eps, config, feature_map)
-    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config, feature_map)
+        return _ChunkedNormalizedAttention.apply(q, k, v, initial_state, eps, config)
+    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config)
     return o, final_state
 
 
