@@ -246,11 +246,13 @@ def test_the_fast_transformers_builder_names_a_wrong_source(tmp_path):
 
 
 def test_the_markdown_tables_show_each_recorded_point_with_our_fastest_in_bold():
-    """bench.md's tables, built from the newest recorded bench rows: one line per shape and mode,
-    our fastest method in bold, and the peers' best over ours computed from the same rows."""
-    from ttx_tutorial.course.figures import latest_recording, load_recorded
+    """bench.md's tables, built from the newest recorded bench rows with fla's: one line per shape
+    and mode, our fastest method in bold, and the peers' best over ours computed from the same rows."""
+    from ttx_tutorial.course.figures import latest_recording, load_recorded, rows_of_one_recording
 
-    _, rows = latest_recording(load_recorded(), part="shapes")
+    recorded = load_recorded()
+    name, _ = latest_recording(recorded, part="shapes", impl="fla_chunk")
+    _, rows = rows_of_one_recording(recorded, part="shapes", recording=name)
     rows = [{**row, "gpu_ms": row.get("gpu_ms")} for row in rows]
     text = bench.markdown_tables(rows)
     lines = [line for line in text.splitlines() if line.startswith("| (") and "mode" not in line]

@@ -69,6 +69,11 @@ AUTO = "auto"
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.4
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
+#: float32 at full precision (3xTF32 products): the widest head for which "chunked" beats
+#: "recurrent". Measured on an H200 (benchmarks/NOTES.md): chunked faster at D = 64 (0.66 against
+#: 1.00 ms forward at (8, 16, 4096, 64)), recurrent at D = 128 (3.43 against 5.34 at (8, 16, 4096,
+#: 128), 4.96 against 9.60 at (2, 16, 16384, 128)); TF32 alone ("high") was not measured.
+_TF32X3_WIDEST_CHUNKED_HEAD = 64
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
@@ -79,12 +84,17 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype) -> int:
 
 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> str:
-    """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle.
+    """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
+    or "recurrent" for float32 heads over 64 wide at full precision.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
     (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
-    sequence over segments. Under the interpreter the choice is always "chunked".
+    sequence over segments. float32 under ``torch.get_float32_matmul_precision() == "highest"``
+    runs chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64
+    their tiles spill and "recurrent", whose per-token products need no tensor cores, is faster
+    (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200). Under the
+    interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
     the offsets: both kernels give each sequence its own programs (chunked) or segments (scan),
     and scan also builds its segment table, a few more small launches.
@@ -97,16 +107,21 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
         B = cu_seqlens.shape[0] - 1
         T //= B
     multiprocessors, _ = chunked._device_limits(q.device)
-    return _rule(B, H, T, D, E, q.dtype, multiprocessors)
+    precision = chunked.float32_precision() if q.dtype == torch.float32 else None
+    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision)
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
-def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int) -> str:
-    """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one
-    (tests/test_auto.py checks it against the recorded benchmark)."""
+def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int,
+          float32_precision: str | None = "tf32x3") -> str:
+    """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one;
+    ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``).
+    tests/test_auto.py checks it against the recorded benchmark."""
     programs = B * H * -(-E // _chunked_value_block(D, E, dtype))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
+    if dtype == torch.float32 and float32_precision == "tf32x3" and D > _TF32X3_WIDEST_CHUNKED_HEAD:
+        return "recurrent"
     return "chunked"
 
 
