@@ -49,6 +49,7 @@ from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
 from .api import AUTO, causal_product, choose_method
 from .kernels import chunked as _chunked
 from .kernels import recurrent as _recurrent
+from .kernels import scan as _scan
 from .kernels import step as _step
 
 
@@ -88,14 +89,15 @@ def _compute_dtype(dtype, normalize):
 
 
 def _normalizing_kernel(method, q, k, v, initial_state):
-    """The kernel file whose kernels compute the normaliser, or None: "recurrent" (not while
-    torch.compile traces: there it keeps the ones column of the product's operator), "chunked",
-    or "auto" where it picks chunked (while torch.compile traces, "auto" always: its operator
-    chooses at run time). Checks the inputs (as the kernel file does, with the normalised
-    state's (B, H, D, E + 1) layout) before "auto" looks at them."""
-    if method == "recurrent" and not torch.compiler.is_compiling():
-        _recurrent.check_inputs(q, k, v, initial_state, method, normalized=True)
-        return _recurrent
+    """The kernel file whose kernels compute the normaliser, or None: "recurrent" and "scan" (not
+    while torch.compile traces: there they keep the ones column of the product's operator),
+    "chunked", or "auto" where it picks chunked or scan (while torch.compile traces, "auto"
+    always: its operator chooses at run time). Checks the inputs (as the kernel file does, with
+    the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
+    kernel_files = {"recurrent": _recurrent, "scan": _scan}
+    if method in kernel_files and not torch.compiler.is_compiling():
+        kernel_files[method].check_inputs(q, k, v, initial_state, method, normalized=True)
+        return kernel_files[method]
     if method not in ("chunked", AUTO):
         return None
     if torch.compiler.is_compiling():
@@ -106,7 +108,9 @@ def _normalizing_kernel(method, q, k, v, initial_state):
                      index_limit=KERNEL_INDEX_LIMIT)
         return _chunked
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
-    return _chunked if method == "chunked" or choose_method(q, v) == "chunked" else None
+    if method == "chunked":
+        return _chunked
+    return {"chunked": _chunked, "scan": _scan}.get(choose_method(q, v))
 
 
 def _mapped(feature, x, name):

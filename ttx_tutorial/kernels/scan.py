@@ -1266,16 +1266,16 @@ def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_star
     Then dQ's product adds r_t z_t (z: column E of the forward's start states), dK's adds dz_s =
     G_z + sum_{t >= s} r_t q_t (column E of G and of the suffix states), and dV's final state
     ends on [dS_0, dz_0]; dV is its first E columns. g, r and the ones are made here in PyTorch
-    (elementwise passes); float16 runs in float32, as g falls below float16's normal range once
-    d_t is a few thousand."""
-    work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    (elementwise passes), and the passes run in float32 for every input dtype: r and z enter
+    the products as operands, and the denominator's terms cancel much of dq and dk, which would
+    magnify their rounding to 16 bits (bfloat16's dq then errs by about 6 %)."""
     g = grad_o.float() / denominator.unsqueeze(-1)
-    r = -(g.to(work_dtype).float() * o.float()).sum(-1, keepdim=True)  # from the g the passes see
-    widened_grad = torch.cat([g, r], dim=-1).to(work_dtype)
-    widened_v = torch.cat([v.to(work_dtype), v.new_ones((*v.shape[:-1], 1), dtype=work_dtype)], dim=-1)
+    r = -(g * o.float()).sum(-1, keepdim=True)
+    widened_grad = torch.cat([g, r], dim=-1)
+    widened_v = torch.cat([v.float(), v.new_ones((*v.shape[:-1], 1), dtype=torch.float32)], dim=-1)
     need_q, need_k, need_v, need_initial = needs
     dq, dk, widened_dv, d_initial = _backward_in_passes(
-        q.to(work_dtype), k.to(work_dtype), widened_v, widened_grad, forward_starts, grad_final, overrides,
+        q.float(), k.float(), widened_v, widened_grad, forward_starts, grad_final, overrides,
         (need_q, need_k, need_v or need_initial, need_initial), packed)
     return (None if dq is None else dq.to(q.dtype), None if dk is None else dk.to(k.dtype),
             None if widened_dv is None else widened_dv[..., :-1].to(v.dtype), d_initial)
