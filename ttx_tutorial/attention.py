@@ -19,9 +19,15 @@ maps them again and takes dq, dk through phi'), so no PyTorch pass over q and k 
 callables are applied by PyTorch first. The recurrent kernels compute the normaliser in their
 walks (method "recurrent"), forward and backward (two elementwise passes first make the
 backward's dO_t / (d_t + eps) and the denominator's gradient), on features PyTorch maps.
+The scan kernels compute it in their passes (method "scan", and "auto" where it picks scan):
+z is summed beside each segment's state, scanned with it and carried through the outputs
+pass, which forms the denominator from the chunk's masked scores and z and divides before
+the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
+denominator's gradient themselves (its passes for float32 and wide heads: on dO / (d + eps)
+and v widened by that gradient and a column of ones, made by PyTorch), on features PyTorch maps.
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
-there takes the ones column.
+and "scan" there take the ones column.
 The other methods append a column of ones to v instead: the product then carries z_t as the
 last column of its float32 state, and its last output column is phi(q_t)^T z_t. Either way the
 state of the normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in
@@ -29,8 +35,9 @@ the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long
-sequences, and the product's output has the input dtype. The chunked and recurrent kernels keep
-the denominator in float32 and store only the normalised output, so float16 stays float16 there.
+sequences, and the product's output has the input dtype. The chunked, recurrent and scan
+kernels keep the denominator in float32 and store only the normalised output, so float16
+stays float16 there.
 bfloat16 shares float32's range and needs no such care.
 """
 
@@ -145,9 +152,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         normalize: divide by phi(q_t)^T z_t + eps (the default); False returns the plain
             causal product of phi(q), phi(k) and v, and eps is unused.
         eps: added to the denominator, >= 0 (see the module docstring).
-        method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked" (and "auto"
-            where it picks chunked) and "recurrent" normalise inside the kernel; the others
-            append a column of ones to v (see the module docstring).
+        method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked", "recurrent"
+            and "scan" (and "auto", which picks chunked or scan) normalise inside the kernels;
+            the others append a column of ones to v (see the module docstring).
         initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
             normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
         return_state: also return the state after the last token, in the same layout.

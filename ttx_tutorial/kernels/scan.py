@@ -21,11 +21,22 @@ forward's start states transposed; dV = reverse product (K, Q, dO) from G, whose
 dS_0; dK = reverse product (V, dO, Q) from the same suffix states transposed. ``reverse`` = 1
 walks segments and chunks from last to first with the upper triangle. For 16-bit heads up to 64
 wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_kernel`` runs thrice.
+``NORMALIZE`` (``scan_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s, carried in float32 as column E of every state (states of E + 1 columns, z last,
+S_0 and S_T included): pass 1 sums the segment's keys beside U, pass 2 scans them with the
+rest, and pass 3 carries z through its chunks, forms d_t + eps = the row sum of the chunk's
+masked scores + q_t . z_{c-1} + eps and divides before the store (and keeps d_t + eps for the
+backward). The backward runs on g_t = dO_t / (d_t + eps) with r_t = -(g_t . out_t), the
+denominator's gradient, beside it (a column of r next to g, a column of 1 next to v): the suffix
+states' pass 1 (``NORMALIZER_GRADIENT``) makes g and r from dO, o and d + eps and sums r_t q_t as
+their column E, and the fused backward makes them again and adds r to the score gradients,
+r_t z to dQ and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
+[v, 1] and pass 3 runs thrice on them, in float32.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
-keeps its start states, B*H*NS*D*E float32, for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
+keeps its start states, B*H*NS*D*E float32 (E + 1 with NORMALIZE, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
 from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
 and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
@@ -37,14 +48,18 @@ tensor core's truncating accumulator. bfloat16 rounds the float32 state and scor
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and
-float32 "tf32x3" and "tf32" included).
+float32 "tf32x3" and "tf32" included). ``NORMALIZE`` and ``NORMALIZER_GRADIENT``: interpreted,
+and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
 Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there.
+The normalised fused backward spills registers at 64-wide bfloat16 heads (Triton 3.9: 136
+bytes on sm_90, 864 on sm_80; the plain one, none and 288), as chunked's normalised one does.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
 that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
-causal by construction), overwriting what it stored: a slow call, not a wrong one. A config
+causal by construction; NORMALIZE: with z, g and r), overwriting what it stored: a slow call,
+not a wrong one. The denominators need no such care: their scores are masked by selection. A config
 that needs more shared memory than the GPU has fails at launch.
 The interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to
 bfloat16: under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every
