@@ -255,8 +255,18 @@ def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, 
 
 
 @triton.jit
+def _slot_width(E, NORMALIZE: tl.constexpr):
+    """Columns of a row of pass 1's and 2's state buffer: E, or with NORMALIZE z in column E and
+    the row padded to a multiple of 16, so that rows stay aligned for vector loads and stores
+    (an odd width makes pass 2 load element by element). As ``_slot_columns`` on the host."""
+    if NORMALIZE:
+        return (E // 16 + 1) * 16
+    return E
+
+
+@triton.jit
 def scan_summaries_kernel(
-    k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, W), contiguous; W = E (E + 1 with NORMALIZE)
+    k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, W), contiguous; W = _slot_width(E, NORMALIZE)
     initial_state_ptr,              # S_0 of the walk (B, H, D, W) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
     segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
@@ -275,7 +285,7 @@ def scan_summaries_kernel(
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,        # k, v hold the table's sequences packed along T of one row
-    NORMALIZE: tl.constexpr,        # states of E + 1 columns: column E, z, sums the keys k
+    NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
     NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE,
                                     # BLOCK_E >= E): S sums q_t g_t^T and z sums r_t q_t
 ):
@@ -287,7 +297,6 @@ def scan_summaries_kernel(
     # NORMALIZER_GRADIENT: g enters the products as scan_backward_kernel's walks take it.
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
-    STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
     # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
     # second finds it in L2), and B * H is not limited to 65535 as on grid axes 1 and 2.
     e_blocks = (E + BLOCK_E - 1) // BLOCK_E
@@ -337,7 +346,7 @@ def scan_summaries_kernel(
             if NORMALIZE:
                 b_z += tl.sum(b_k.to(tl.float32), 0)
 
-    state_width = E + STATE_WIDTH_EXTRA
+    state_width = _slot_width(E, NORMALIZE)
     states_ptr += bh.to(tl.int64) * n_segments * D * state_width
     slot_ptr = states_ptr + (walk + 1).to(tl.int64) * D * state_width
     tl.store(slot_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_sum,
@@ -387,7 +396,7 @@ def _scan_slots(states_ptr, initial_state_ptr, segments_ptr, offs_state, offs_s0
 def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
                        D, E, n_segments, reverse, e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                        IS_VARLEN: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Pass 2 for one (batch*head, value block): every slot of this head's (NS, D, W) buffer
+    """Pass 2 for one (batch*head, value block): every slot of this head's (NS, D, _slot_width) buffer
     ``states_ptr`` becomes the state its segment starts from (``_scan_slots``); with NORMALIZE the
     first value block's program also scans z, column E.
 
@@ -395,8 +404,7 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
     better: the whole slice up to 4096 entries, else 2048 a step (a larger tile spills registers
     in pass 1's main loop)."""
     ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
-    STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
-    state_width = E + STATE_WIDTH_EXTRA
+    state_width = _slot_width(E, NORMALIZE)
     offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
@@ -1079,10 +1087,15 @@ def _segment_table(cu_seqlens, segment_len, T):
     return table
 
 
+def _slot_columns(E, normalize):
+    """``_slot_width``: E, or E + 1 (z last) padded to a multiple of 16 when normalising."""
+    return (E // 16 + 1) * 16 if normalize else E
+
+
 def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, o=None, denominator=None):
     """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
     ``segments``: the table of packed sequences (``_segment_table``), or None. ``normalize``:
-    states of E + 1 columns, z (the keys' sum) last. With the normalised forward's ``o`` and
+    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With the normalised forward's ``o`` and
     ``denominator``, the normalised backward's suffix states (NORMALIZER_GRADIENT): k and v are
     q and dO, S sums q_t g_t^T and z sums r_t q_t, one value block holding every column."""
     B, H, T, D = k.shape
@@ -1095,7 +1108,7 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
     block_d, chunk = _block(D), config["CHUNK"]
     block_e = _block(E) if gradient else config["BLOCK_E"]  # r_t needs every column of g_t and out_t
     e_blocks = -(-E // block_e)
-    width = E + normalize
+    width = _slot_columns(E, normalize)
     states = torch.empty(B * H, n_segments, D, width, device=k.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
