@@ -187,11 +187,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
-            if kernel_file is _chunked and isinstance(feature_map, str) and not torch.compiler.is_compiling():
-                # The chunked kernels map q and k as they load them: no pass over q and k here.
+            if kernel_file in (_chunked, _scan) and isinstance(feature_map, str) and not torch.compiler.is_compiling():
+                # The chunked and scan kernels map q and k as they load them: no pass over q and k here.
                 with _on_tensors_device(q):
-                    out, state = _chunked._run_normalized_validated(q, k, v, initial_state, eps,
-                                                                    feature_map=feature_map)
+                    out, state = kernel_file._run_normalized_validated(q, k, v, initial_state, eps,
+                                                                       feature_map=feature_map)
                 return (out, state) if return_state else out
             phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops

@@ -32,11 +32,17 @@ states' pass 1 (``NORMALIZER_GRADIENT``) makes g and r from dO, o and d + eps an
 their column E, and the fused backward makes them again and adds r to the score gradients,
 r_t z to dQ and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
 [v, 1] and pass 3 runs thrice on them, in float32.
+``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
+and k by phi(q), phi(k) as passes 1 and 3 and the backward's load them, in float32 then rounded
+to the input dtype as the products take them, with k's padding kept at 0; the backward stores
+dq = dphi(q) * phi'(q), dk likewise (elu + 1: phi' = min(phi, 1); relu: 0 where phi <= 0), and
+its passes on [g, r] map the same way in PyTorch. "identity" compiles to the kernels without a map.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
-keeps its start states, B*H*NS*D*E float32 (E + 1 with NORMALIZE, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
+keeps its start states, B*H*NS*D*E float32 (with NORMALIZE, rows of E + 1 padded to a multiple of
+16, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
 from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
 and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
@@ -48,19 +54,20 @@ tensor core's truncating accumulator. bfloat16 rounds the float32 state and scor
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and
-float32 "tf32x3" and "tf32" included). ``NORMALIZE`` and ``NORMALIZER_GRADIENT``: interpreted,
-and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
+float32 "tf32x3" and "tf32" included). ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and
+``FEATURE_MAP``: interpreted, and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
 Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there.
-The normalised fused backward spills registers at 64-wide bfloat16 heads (Triton 3.9: 136
-bytes on sm_90, 864 on sm_80; the plain one, none and 288), as chunked's normalised one does.
+The normalised fused backward spills registers at 64-wide bfloat16 heads, as chunked's does
+(Triton 3.9, bytes on sm_90 / sm_80: 120 / 808 on features, 360 / 1424 with elu + 1 inside;
+the plain one: 0 / 288), and so does pass 3 with elu + 1 on sm_80 (144).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
 that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
 causal by construction; NORMALIZE: with z, g and r), overwriting what it stored: a slow call,
-not a wrong one. The denominators need no such care: their scores are masked by selection. A config
-that needs more shared memory than the GPU has fails at launch.
+not a wrong one. The denominators need no such care: their scores are masked by selection.
+A config that needs more shared memory than the GPU has fails at launch.
 The interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to
 bfloat16: under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every
 product operand to float32.
@@ -103,6 +110,35 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _features(x, mask, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """phi(x) of a tile of q or k as loaded: in float32, rounded to x's dtype as the products take
+    it, and 0 where ``mask`` is false (padding loads as 0, which elu + 1 would map to 1). "elu":
+    elu(x) + 1, as x + 1 or exp(x), without the cancellation of (exp(x) - 1) + 1; "relu": NaN
+    stays NaN, as in PyTorch; "identity": x itself."""
+    if FEATURE_MAP == "identity":
+        return x
+    b_x = x.to(tl.float32)
+    if FEATURE_MAP == "elu":
+        b_phi = tl.where(b_x > 0, b_x + 1.0, tl.exp(b_x))
+    else:
+        b_phi = tl.where(b_x < 0, 0.0, b_x)
+    return _rounded(tl.where(mask, b_phi, 0.0), x.dtype, INTERPRETED)
+
+
+@triton.jit
+def _through_features(b_grad, b_phi, FEATURE_MAP: tl.constexpr):
+    """The gradient of x from b_grad (float32), the gradient of phi(x), and phi(x) as ``_features``
+    made it. elu + 1: phi'(x) is 1 above 0 and exp(x) = phi(x) below, so min(phi(x), 1); relu: 0
+    where phi(x) <= 0, by selection (an inf gradient times 0 would be NaN)."""
+    if FEATURE_MAP == "elu":
+        b_phi = b_phi.to(tl.float32)
+        return b_grad * tl.where(b_phi < 1.0, b_phi, 1.0)
+    if FEATURE_MAP == "relu":
+        return tl.where(b_phi <= 0, 0.0, b_grad)
+    return b_grad
+
+
+@triton.jit
 def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_len, reverse, IS_VARLEN: tl.constexpr):
     """(b, h, walk, first token, tokens, value block) of program ``pid`` (int64) for a walk after
     the chunk loop, derived again from the program id and the arguments as the kernels' openings
@@ -125,11 +161,12 @@ def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_l
 def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, reverse, first_column, D, E, eps,
                             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
                             stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                            NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+                            NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites o for the segment's tokens from its start state, one token at a time in walk order,
     in float32: S <- S + k_t v_t^T, o_t = q_t S (NORMALIZE: z <- z + k_t, o_t / (q_t . z + eps),
-    z read from column E of the start state). No product multiplies a token that o_t must not
-    see, so an inf or NaN reaches exactly the outputs it reaches in the recurrence. Vectors and
+    z read from column E of the start state), q_t and k_t mapped by FEATURE_MAP. No product
+    multiplies a token that o_t must not see, so an inf or NaN reaches exactly the outputs it
+    reaches in the recurrence. Vectors and
     the state only: fewer registers than a chunk."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = first_column + tl.arange(0, BLOCK_E).to(tl.int64)
@@ -142,8 +179,10 @@ def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, rever
         b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = tl.where(reverse != 0, tokens - 1 - i, i)
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_state += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(b_q[:, None] * b_state, 0)
@@ -169,14 +208,15 @@ def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_d
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denominator_ptr, start_ptr, tokens, D, E,
-                                    stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
-                                    stride_dqt, stride_dqd, stride_ot, stride_oe, stride_sd, stride_se,
-                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-                                    INTERPRETED: tl.constexpr):
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, denominator_ptr, start_ptr, tokens,
+                                    D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_qt, stride_qd, stride_dqt, stride_dqd, stride_ot, stride_oe,
+                                    stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                    NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
     at a time: P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t from the start state's
-    column E, plus r_t z), in float32; causal by construction."""
+    column E, plus r_t z), in float32; causal by construction. With a FEATURE_MAP, k_t is mapped
+    and dq_t taken through phi(q_t) (q is read only then)."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
     mask_d = offs_d < D
@@ -189,13 +229,17 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denomin
     for t in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
                                                    stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_p += b_k[:, None] * b_v[None, :]
         b_dq = tl.sum(b_p * b_g[None, :], 1)
         if NORMALIZE:
             b_z += b_k
             b_dq += b_grad_denominator * b_z
+        if FEATURE_MAP != "identity":
+            b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+            b_dq = _through_features(b_dq, _features(b_q, mask_d, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
         tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
 
@@ -206,10 +250,12 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
                                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
                                         stride_ot, stride_oe, stride_sd, stride_se, BLOCK_D: tl.constexpr,
-                                        BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+                                        BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
+                                        INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for the segment's tokens, last first, from its suffix state R, one token
     at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t from
-    the suffix state's column E, dk_t plus dz), in float32; causal by construction."""
+    the suffix state's column E, dk_t plus dz), in float32; causal by construction. With a
+    FEATURE_MAP, q_t and k_t are mapped and dk_t taken through phi(k_t)."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
     mask_d = offs_d < D
@@ -223,14 +269,17 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
         t = tokens - 1 - i
         b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
                                                    stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_r += b_q[:, None] * b_g[None, :]
         b_dk = tl.sum(b_r * b_v[None, :], 1)
         if NORMALIZE:
             b_dz += b_grad_denominator * b_q
             b_dk += b_dz
+        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_dv = tl.sum(b_r * b_k[:, None], 0)
         tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
@@ -288,6 +337,7 @@ def scan_summaries_kernel(
     NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
     NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE,
                                     # BLOCK_E >= E): S sums q_t g_t^T and z sums r_t q_t
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: k is mapped by "elu" or "relu" as loaded, or "identity"
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1 (NORMALIZE:
     its keys' sum beside it, from the first value block's program); the last program of a
@@ -335,6 +385,7 @@ def scan_summaries_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
         if NORMALIZER_GRADIENT:
             b_g, b_grad_denominator = _normalizer_gradients(b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t,
                                                             mask_e, stride_ot, stride_oe, MIXED_DTYPE,
@@ -444,6 +495,7 @@ def scan_outputs_kernel(
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only): states
                                     # of W = E + 1 columns, z (the keys' sum) in column E
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: q and k are mapped by "elu" or "relu" as loaded, or "identity"
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
@@ -516,6 +568,10 @@ def scan_outputs_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        # phi(k) is 0 past the tokens and D, so the state, z and the scores never see phi(q) there
+        # (and rows past the tokens are not stored): q's padding needs no mask.
+        b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
+        b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
 
         b_kt = tl.trans(b_k).to(DOT_DTYPE)
         b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
@@ -556,7 +612,7 @@ def scan_outputs_kernel(
                                 start_arg + redo_b * stride_sb + redo_h * stride_sh + redo_walk * stride_sw,
                                 redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd,
                                 stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
-                                BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+                                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
@@ -589,6 +645,7 @@ def scan_backward_kernel(
     INTERPRETED: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # the backward of scan_outputs_kernel's NORMALIZE forward
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: the forward's map; dq and dk are taken through it
 ):
     """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
@@ -604,7 +661,9 @@ def scan_backward_kernel(
     joins every visible score gradient (dO_c V_c^T and V_c dO_c^T), dQ_c gains r_t z_{c-1} (z
     from the forward start state's column E, plus the earlier chunks' keys), and dK_c gains dz,
     the suffix state's column E, G_z plus r_t q_t of the later tokens; what dz ends as is dz_0.
-    One program holds every column of a token, so g and r are made here."""
+    One program holds every column of a token, so g and r are made here.
+    FEATURE_MAP: q and k are mapped as loaded, as in the forward, the walks run on phi(q), phi(k),
+    and the gradients of phi(q) and phi(k) are taken through the map before their store."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see below).
     q_arg, k_arg, v_arg, do_arg, dq_arg, dk_arg, dv_arg = q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr
     o_arg, denominator_arg = o_ptr, denominator_ptr
@@ -669,6 +728,7 @@ def scan_backward_kernel(
                           mask=mask_t[:, None] & mask_e[None, :], other=0.0)         # [C, E]
             b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
                           mask=mask_td, other=0.0)                                   # [C, D]
+            b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
             if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
                 b_do, b_grad_denominator = _normalizer_gradients(
                     b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
@@ -688,6 +748,10 @@ def scan_backward_kernel(
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p = tl.dot(b_vt, b_k.to(b_vt.dtype), acc=b_p, input_precision=FLOAT32_PRECISION)
+            if FEATURE_MAP != "identity":  # dq = the gradient of phi(q) times phi'(q)
+                b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                              mask=mask_td, other=0.0)
+                b_dq = _through_features(b_dq, _features(b_q, mask_td, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -698,12 +762,14 @@ def scan_backward_kernel(
                 do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
                 v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
                 k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
                 dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
                 o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
                 denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                 forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw, redo_tokens, D, E,
-                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
-                stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
+                FEATURE_MAP, INTERPRETED)
 
     suffix_start_ptr += b64 * stride_rb + h64 * stride_rh + (n_segments - 1 - segment).to(tl.int64) * stride_rw
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
@@ -723,6 +789,8 @@ def scan_backward_kernel(
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
         b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
                        other=0.0)
+        b_q = _features(b_q, mask_td, FEATURE_MAP, INTERPRETED)
+        b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
         b_kq = tl.dot(b_k.to(DOT_DTYPE), tl.trans(b_q).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
         b_kq = tl.where(upper, b_kq, 0.0)
         if NORMALIZE:  # g and r in place of dO, as in the forward walk
@@ -748,6 +816,7 @@ def scan_backward_kernel(
                          input_precision=FLOAT32_PRECISION)
         else:
             b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
+        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -778,7 +847,7 @@ def scan_backward_kernel(
             redo_tokens, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
             stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
-            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+            BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
@@ -1092,12 +1161,15 @@ def _slot_columns(E, normalize):
     return (E // 16 + 1) * 16 if normalize else E
 
 
-def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, o=None, denominator=None):
+def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, o=None, denominator=None,
+                    feature_map="identity"):
     """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
     ``segments``: the table of packed sequences (``_segment_table``), or None. ``normalize``:
-    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With the normalised forward's ``o`` and
-    ``denominator``, the normalised backward's suffix states (NORMALIZER_GRADIENT): k and v are
-    q and dO, S sums q_t g_t^T and z sums r_t q_t, one value block holding every column."""
+    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With the
+    normalised forward's ``o`` and ``denominator``, the normalised backward's suffix states
+    (NORMALIZER_GRADIENT): k and v are q and dO, S sums q_t g_t^T and z sums r_t q_t, one value
+    block holding every column.
+    ``feature_map`` maps k (q) as the kernel loads it."""
     B, H, T, D = k.shape
     E = v.shape[-1]
     # rounded up, as triton.cdiv but without its host cost
@@ -1121,18 +1193,18 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
             int(reverse), *k.stride(), *v.stride(), *o_arg.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
-            NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient,
+            NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient, FEATURE_MAP=feature_map,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return _States(states, (H * n_segments * D * width, n_segments * D * width, D * width, width, 1))
 
 
 def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None, denominator=None,
-                     eps=0.0):
+                     eps=0.0, feature_map="identity"):
     """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
     one final state per sequence: (n_sequences, H, D, E). With ``denominator``, a (B, H, T)
     float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
-    E + 1 columns, z last."""
+    E + 1 columns, z last, and ``feature_map`` maps q and k as the kernel loads them."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     # rounded up, as triton.cdiv but without its host cost
@@ -1150,16 +1222,17 @@ def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_seque
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None, NORMALIZE=normalize,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            FEATURE_MAP=feature_map, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state
 
 
-def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None):
+def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, feature_map="identity"):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
     length, segment table or None, d + eps or None). Packed (``cu_seqlens``): segments cut per
     sequence (``_segment_table``), one state per sequence. With ``eps``, the normalised forward
-    (NORMALIZE): states of E + 1 columns, z last, and d_t + eps (B, H, T) float32 for the backward."""
+    (NORMALIZE): states of E + 1 columns, z last, and d_t + eps (B, H, T) float32 for the backward;
+    ``feature_map`` maps q and k in the kernels."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -1175,17 +1248,20 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None):
     resolved = _resolve_config(q, v, config)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
-    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize)
+    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
+                             feature_map=feature_map)
     o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, segments=segments,
-                                      n_sequences=n_states, denominator=denominator, eps=eps or 0.0)
+                                      n_sequences=n_states, denominator=denominator, eps=eps or 0.0,
+                                      feature_map=feature_map)
     return o, final_state, starts, resolved["SEGMENT_LEN"], segments, denominator
 
 
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
-                     segments=None, n_sequences=None, o=None, denominator=None):
+                     segments=None, n_sequences=None, o=None, denominator=None, feature_map="identity"):
     """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
     is (n_sequences, H, D, E). With the forward's ``o`` and ``denominator``, the normalised
-    backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last."""
+    backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last, and q, k are
+    mapped by the forward's ``feature_map``."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = -(-T // segment_len) if segments is None else segments.shape[1]  # rounded up
@@ -1206,7 +1282,7 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
             *dk.stride(), *dv.stride(), *forward_starts.strides, *suffix_starts.strides,
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
             INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None, NORMALIZE=normalize,
-            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+            FEATURE_MAP=feature_map, num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
 
@@ -1286,8 +1362,24 @@ class _ScanCausalProduct(torch.autograd.Function):
                 d_initial if need_initial else None, None, None)
 
 
+def _features_of(x, feature_map):
+    """phi(x) in PyTorch as the kernels compute it (``_features``): in float32, rounded to x's dtype."""
+    x32 = x.float()
+    if feature_map == "elu":
+        return torch.where(x32 > 0, x32 + 1, torch.exp(x32)).to(x.dtype)
+    return torch.where(x32 < 0, 0.0, x32).to(x.dtype)
+
+
+def _through_features_of(grad, phi, feature_map):
+    """The gradient of x from ``grad``, that of phi(x), as the kernels take it (``_through_features``)."""
+    phi = phi.float()
+    if feature_map == "elu":
+        return grad * torch.where(phi < 1, phi, 1.0)
+    return torch.where(phi <= 0, 0.0, grad)
+
+
 def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts, grad_final, overrides,
-                                   needs, packed):
+                                   needs, packed, feature_map="identity"):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64):
     ``_backward_in_passes`` on the plain product's operands widened by one column, the
     denominator's: dO -> [g, r] with g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t), v -> [v, 1].
@@ -1296,7 +1388,12 @@ def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_star
     ends on [dS_0, dz_0]; dV is its first E columns. g, r and the ones are made here in PyTorch
     (elementwise passes), and the passes run in float32 for every input dtype: r and z enter
     the products as operands, and the denominator's terms cancel much of dq and dk, which would
-    magnify their rounding to 16 bits (bfloat16's dq then errs by about 6 %)."""
+    magnify their rounding to 16 bits (bfloat16's dq then errs by about 6 %). With a
+    ``feature_map``, q and k are mapped here as the forward's kernels mapped them, and dq, dk are
+    taken through the map."""
+    raw_q, raw_k = q, k
+    if feature_map != "identity":
+        q, k = _features_of(q, feature_map), _features_of(k, feature_map)
     g = grad_o.float() / denominator.unsqueeze(-1)
     r = -(g * o.float()).sum(-1, keepdim=True)
     widened_grad = torch.cat([g, r], dim=-1)
@@ -1305,7 +1402,10 @@ def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_star
     dq, dk, widened_dv, d_initial = _backward_in_passes(
         q.float(), k.float(), widened_v, widened_grad, forward_starts, grad_final, overrides,
         (need_q, need_k, need_v or need_initial, need_initial), packed)
-    return (None if dq is None else dq.to(q.dtype), None if dk is None else dk.to(k.dtype),
+    if feature_map != "identity":
+        dq = None if dq is None else _through_features_of(dq, q, feature_map)
+        dk = None if dk is None else _through_features_of(dk, k, feature_map)
+    return (None if dq is None else dq.to(raw_q.dtype), None if dk is None else dk.to(raw_k.dtype),
             None if widened_dv is None else widened_dv[..., :-1].to(v.dtype), d_initial)
 
 
@@ -1314,11 +1414,13 @@ class _ScanNormalizedAttention(torch.autograd.Function):
     passes 1 and 2 and one fused pass 3 with the denominator's terms, or the passes on [g, r]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens):
+    def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens, feature_map):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        o, final_state, starts, ctx.segment_len, segments, denominator = _launch(q, k, v, initial_state, config,
-                                                                                 cu_seqlens, eps=eps)
+        ctx.feature_map = feature_map
+        o, final_state, starts, ctx.segment_len, segments, denominator = _launch(
+            q, k, v, initial_state, config, cu_seqlens, eps=eps, feature_map=feature_map)
+        # q, k as given: the backward maps them again
         ctx.save_for_backward(q, k, v, o, denominator, None if starts is None else starts.tensor, segments)
         ctx.start_strides = None if starts is None else starts.strides
         ctx.n_states = final_state.shape[0]
@@ -1333,7 +1435,7 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         E = v.shape[-1]
         if T == 0:
-            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None, None)
+            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None, None, None)
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros_like(o)
         grad_final = _States.initial(grad_final_state, q.device)
@@ -1344,15 +1446,18 @@ class _ScanNormalizedAttention(torch.autograd.Function):
                                       normalize=True)
         if fused is not None:
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config, segments=segments,
-                                            normalize=True, o=o, denominator=denominator)
+                                            normalize=True, o=o, denominator=denominator,
+                                            feature_map=ctx.feature_map)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused, compute_dq=needs[0],
-                                                     o=o, denominator=denominator, **packed)
+                                                     o=o, denominator=denominator, feature_map=ctx.feature_map,
+                                                     **packed)
         else:
             dq, dk, dv, d_initial = _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts,
-                                                                   grad_final, overrides, needs, packed)
+                                                                   grad_final, overrides, needs, packed,
+                                                                   ctx.feature_map)
         return (dq, dk if needs[1] else None, dv if needs[2] else None, d_initial if needs[3] else None,
-                None, None, None)
+                None, None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -1546,29 +1651,44 @@ def _check_eps(eps):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-def scan_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, cu_seqlens=None):
-    """Normalised causal linear attention of features q, k (the feature map already applied):
-    out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
-    numerator and denominator accumulated in float32 in the same passes. eps (finite, >= 0) is
-    added once, to q_t^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
+#: Feature maps the normalised kernels apply to q and k as they load them.
+FEATURE_MAPS = ("elu", "relu", "identity")
+
+
+def _check_feature_map(feature_map):
+    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS} (apply others to q and k first and pass "
+                         f"'identity'), got {feature_map!r}")
+
+
+def scan_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, cu_seqlens=None,
+                              feature_map="identity"):
+    """Normalised causal linear attention of features phi(q), phi(k):
+    out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps), S_t = S_0 + sum_{s<=t} phi(k_s) v_s^T,
+    z_t = z_0 + sum_{s<=t} phi(k_s), numerator and denominator accumulated in float32 in the same
+    passes. feature_map, applied by the kernels as they load q and k (no pass of its own): "elu"
+    (elu(x) + 1), "relu", or "identity" (the default: q, k are features already). eps (finite,
+    >= 0) is added once, to phi(q_t)^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
     ``scan_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
     packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
     final_state float32 in the initial state's layout. Differentiable in q, k, v and
     initial_state."""
     check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
     _check_eps(eps)
+    _check_feature_map(feature_map)
     if initial_state is not None:
         initial_state = initial_state.float()
-    return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens)
+    return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens, feature_map)
 
 
-def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None):
-    """``scan_normalized_attention`` for inputs, eps included, already checked."""
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None,
+                              feature_map="identity"):
+    """``scan_normalized_attention`` for inputs, eps and feature_map included, already checked."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ScanNormalizedAttention.apply(q, k, v, initial_state, float(eps), config, cu_seqlens)
-    return _launch(q, k, v, initial_state, config, cu_seqlens, eps=float(eps))[:2]
+        return _ScanNormalizedAttention.apply(q, k, v, initial_state, float(eps), config, cu_seqlens, feature_map)
+    return _launch(q, k, v, initial_state, config, cu_seqlens, eps=float(eps), feature_map=feature_map)[:2]
