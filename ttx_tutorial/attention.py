@@ -24,7 +24,8 @@ z is summed beside each segment's state, scanned with it and carried through the
 pass, which forms the denominator from the chunk's masked scores and z and divides before
 the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
 denominator's gradient themselves (its passes for float32 and wide heads: on dO / (d + eps)
-and v widened by that gradient and a column of ones, made by PyTorch), on features PyTorch maps.
+and v widened by that gradient and a column of ones, made by PyTorch); the named maps are
+applied inside them as in the chunked kernels.
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
 and "scan" there take the ones column.
