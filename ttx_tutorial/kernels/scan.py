@@ -414,61 +414,49 @@ def scan_summaries_kernel(
     if arrived == n_segments - 2:
         initial_state_ptr += b64 * stride_s0b + h64 * stride_s0h
         _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
-                           D, E, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN, NORMALIZE)
-
-
-@triton.jit
-def _scan_slots(states_ptr, initial_state_ptr, segments_ptr, offs_state, offs_s0, mask, slot_size, stride_s0b,
-                n_segments, reverse, IS_VARLEN: tl.constexpr):
-    """Pass 2 on one tile of entries (offsets ``offs_state`` in a slot, ``offs_s0`` in S_0, any
-    shape): slot w <- S_0 + slots 1..w, seeded with S_0 in slot 0, with a running carry. Packed
-    (IS_VARLEN), the scan restarts at the first walked segment of each sequence, from that
-    sequence's S_0 (row ``seq`` of S_0)."""
-    first_seq = 0
-    if IS_VARLEN:
-        first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
-    b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-    slot_ptr = states_ptr  # a scalar that steps a slot at a time: fewer registers than a tile of pointers
-    tl.store(slot_ptr + offs_state, b_carry, mask=mask)
-    for walk in range(1, n_segments):
-        slot_ptr += slot_size
-        # .cg reads from L2: other multiprocessors wrote these sums.
-        b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
-        if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
-            segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-            seq = tl.load(segments_ptr + segment)
-            starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
-            b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-            b_carry = tl.where(starts_sequence, b_s0, b_carry)
-        tl.store(slot_ptr + offs_state, b_carry, mask=mask)
+                           D, E, state_width, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN)
+        if NORMALIZE:  # z, column E, as a value block of one column (block E of width 1), by the first block's
+            if e_block == 0:
+                _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d,
+                                   stride_s0e, D, E + 1, state_width, n_segments, reverse, E, BLOCK_D, 1, IS_VARLEN)
 
 
 @triton.jit
 def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
-                       D, E, n_segments, reverse, e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Pass 2 for one (batch*head, value block): every slot of this head's (NS, D, _slot_width) buffer
-    ``states_ptr`` becomes the state its segment starts from (``_scan_slots``); with NORMALIZE the
-    first value block's program also scans z, column E.
+                       D, E, state_width, n_segments, reverse, e_block, BLOCK_D: tl.constexpr,
+                       BLOCK_E: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
+    slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned. Packed
+    (IS_VARLEN), the scan restarts at the first walked segment of each sequence, from that
+    sequence's S_0 (row ``seq`` of S_0).
 
-    ROWS rows of the slice at a time. Each step waits for a load from L2, so the fewer steps the
-    better: the whole slice up to 4096 entries, else 2048 a step (a larger tile spills registers
-    in pass 1's main loop)."""
+    The segments one after another with a running carry, ROWS rows of the slice at a time. Each
+    step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
+    entries, else 2048 a step (a larger tile spills registers in pass 1's main loop)."""
     ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
-    state_width = _slot_width(E, NORMALIZE)
     offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
-        _scan_slots(states_ptr, initial_state_ptr, segments_ptr, offs_d[:, None] * state_width + offs_e[None, :],
-                    offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
-                    (offs_d < D)[:, None] & (offs_e < E)[None, :], D * state_width, stride_s0b, n_segments,
-                    reverse, IS_VARLEN)
-    if NORMALIZE:
-        if e_block == 0:
-            offs_d = tl.arange(0, BLOCK_D)
-            _scan_slots(states_ptr, initial_state_ptr, segments_ptr, offs_d * state_width + E,
-                        offs_d * stride_s0d + E * stride_s0e, offs_d < D, D * state_width, stride_s0b, n_segments,
-                        reverse, IS_VARLEN)
+        mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
+        offs_state = offs_d[:, None] * state_width + offs_e[None, :]
+        offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
+        first_seq = 0
+        if IS_VARLEN:
+            first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
+        b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+        slot_ptr = states_ptr  # a scalar that steps a slot at a time: fewer registers than a tile of pointers
+        tl.store(slot_ptr + offs_state, b_carry, mask=mask)
+        for walk in range(1, n_segments):
+            slot_ptr += D * state_width
+            # .cg reads from L2: other multiprocessors wrote these sums.
+            b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
+                segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
+                seq = tl.load(segments_ptr + segment)
+                starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
+                b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+                b_carry = tl.where(starts_sequence, b_s0, b_carry)
+            tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
 
 @triton.jit
