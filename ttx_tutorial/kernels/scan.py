@@ -61,7 +61,8 @@ without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32
 Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there.
 The normalised fused backward spills registers at 64-wide bfloat16 heads, as chunked's does
 (Triton 3.9, bytes on sm_90 / sm_80: 120 / 808 on features, 360 / 1424 with elu + 1 inside;
-the plain one: 0 / 288), and so does pass 3 with elu + 1 on sm_80 (144).
+the plain one: 0 / 288), and on sm_80 so do pass 3 with elu + 1 (144) and the suffix states'
+pass 1 on features (8).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
 that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
