@@ -305,6 +305,31 @@ def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, 
 
 
 @triton.jit
+def _normalized_chunk_sum(b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_k, mask_t, mask_e,
+                          stride_ot, stride_oe, NORMALIZER_GRADIENT: tl.constexpr, FEATURE_MAP: tl.constexpr,
+                          FLOAT32_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Pass 1's step for one chunk of the normalised attention: (sum + K^T V, z + the keys' sum),
+    k mapped by FEATURE_MAP first (``mask_k``: its tokens and D). NORMALIZER_GRADIENT, where k and
+    v are q and dO: (sum + Q^T g, z + sum of r_t q_t), g and r made from dO, o and d + eps as
+    scan_backward_kernel's walks make them (``_normalizer_gradients``)."""
+    INPUT_DTYPE: tl.constexpr = b_k.dtype
+    DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
+    b_k = _features(b_k, mask_k, FEATURE_MAP, INTERPRETED)
+    if NORMALIZER_GRADIENT:
+        b_g, b_grad_denominator = _normalizer_gradients(b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e,
+                                                        stride_ot, stride_oe, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                                        INTERPRETED)
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION)
+        b_z += tl.sum(b_grad_denominator[:, None] * b_k.to(tl.float32), 0)
+    else:
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        b_z += tl.sum(b_k.to(tl.float32), 0)
+    return b_sum, b_z
+
+
+@triton.jit
 def _slot_width(E, NORMALIZE: tl.constexpr):
     """Columns of a row of pass 1's and 2's state buffer: E, or with NORMALIZE z in column E and
     the row padded to a multiple of 16, so that rows stay aligned for vector loads and stores
@@ -345,9 +370,6 @@ def scan_summaries_kernel(
     (batch*head, value block) to finish then runs pass 2."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
-    # NORMALIZER_GRADIENT: g enters the products as scan_backward_kernel's walks take it.
-    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
     # second finds it in L2), and B * H is not limited to 65535 as on grid axes 1 and 2.
     e_blocks = (E + BLOCK_E - 1) // BLOCK_E
@@ -386,17 +408,13 @@ def scan_summaries_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
-        b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
-        if NORMALIZER_GRADIENT:
-            b_g, b_grad_denominator = _normalizer_gradients(b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t,
-                                                            mask_e, stride_ot, stride_oe, MIXED_DTYPE,
-                                                            MIXED_DOT_DTYPE, INTERPRETED)
-            b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION)
-            b_z += tl.sum(b_grad_denominator[:, None] * b_k.to(tl.float32), 0)
+        if NORMALIZE:  # z beside the sum, and the backward's g and r (_normalized_chunk_sum)
+            b_sum, b_z = _normalized_chunk_sum(
+                b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t[:, None] & mask_d[None, :],
+                mask_t, mask_e, stride_ot, stride_oe, NORMALIZER_GRADIENT, FEATURE_MAP, FLOAT32_PRECISION,
+                INTERPRETED)
         else:
             b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
-            if NORMALIZE:
-                b_z += tl.sum(b_k.to(tl.float32), 0)
 
     state_width = _slot_width(E, NORMALIZE)
     states_ptr += bh.to(tl.int64) * n_segments * D * state_width
