@@ -120,8 +120,8 @@ def wrapper_calls(module):
             add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000))
     add(1, 4, 3000, 64, 64, torch.bfloat16, cu_seqlens=(0, 1500, 3000), offsets_dtype=torch.int64)
     add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1))
-    # The normalised attention of a file that computes it in the kernel (NORMALIZE of chunked and
-    # recurrent): its forward, its fused backward and its passes.
+    # The normalised attention of a file that computes it in the kernel (NORMALIZE of chunked,
+    # recurrent and scan; scan's NORMALIZER_GRADIENT): its forward, its fused backward and its passes.
     if hasattr(module, "_run_normalized_validated"):
         for dtype in DTYPES:
             for D, E in COVERAGE_HEAD_DIMS:
@@ -130,14 +130,22 @@ def wrapper_calls(module):
                         add(B, H, T, D, E, dtype, with_state=(T != 100), normalized=True)
         for dtype in (torch.float16, torch.bfloat16):
             add(1, 1, LONG_T, 64, 64, dtype, normalized=True)
-        # recurrent's normalised packed sequences (IS_VARLEN with NORMALIZE), both walks.
+        # Feature maps inside the normalised kernels (scan's FEATURE_MAP): padded heads in every
+        # dtype, the benchmark head, and relu once (each map is its own compiled variant).
+        if "feature_map" in inspect.signature(module._run_normalized_validated).parameters:
+            for dtype in DTYPES:
+                add(2, 3, 777, 17, 33, dtype, normalized=True, feature_map="elu")
+            add(2, 3, 777, 64, 64, torch.bfloat16, normalized=True, feature_map="elu")
+            add(2, 3, 777, 17, 33, torch.bfloat16, normalized=True, feature_map="relu")
+        # Normalised packed sequences (IS_VARLEN with NORMALIZE): recurrent's (both walks) and scan's.
         if "cu_seqlens" in inspect.signature(module._run_normalized_validated).parameters:
             for dtype in DTYPES:
                 for D, E in ((16, 16), (64, 64), (128, 128)):
                     add(1, 4, 3000, D, E, dtype, cu_seqlens=(0, 1000, 1000, 2999, 3000), normalized=True)
             add(1, 1, 1, 64, 64, torch.bfloat16, cu_seqlens=(0, 0, 1), normalized=True)
-            add(1, 4, 3000, 64, 64, torch.bfloat16, config={"WALK": "blocks"}, cu_seqlens=(0, 1500, 3000),
-                normalized=True)
+            if "WALK" in module.CONFIG_KEYS:
+                add(1, 4, 3000, 64, 64, torch.bfloat16, config={"WALK": "blocks"}, cu_seqlens=(0, 1500, 3000),
+                    normalized=True)
     # TUNING_CANDIDATES are offered to benchmarks for bfloat16 with D = E = 64 and 128.
     for candidate in module.TUNING_CANDIDATES:
         for head_dim in (64, 128):

@@ -14,10 +14,20 @@ The normaliser costs no pass of its own. The chunked kernel computes it (method 
 and "auto" where it picks chunked): z_t is carried in float32 next to the state, the
 denominator comes from the chunk's masked scores and z, the division happens before the
 store, and the backward kernel takes the denominator's gradient in the same walks. The
-recurrent kernels do the same in their walks (method "recurrent"), forward and backward (two
-elementwise passes first make the backward's dO_t / (d_t + eps) and the denominator's gradient).
+recurrent kernels compute the normaliser in their walks (method "recurrent"), forward and
+backward (two elementwise passes first make the backward's dO_t / (d_t + eps) and the
+denominator's gradient). Both take features PyTorch maps.
+The scan kernels compute it in their passes (method "scan", and "auto" where it picks scan):
+z is summed beside each segment's state, scanned with it and carried through the outputs
+pass, which forms the denominator from the chunk's masked scores and z and divides before
+the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
+denominator's gradient themselves (its passes for float32 and wide heads: on dO / (d + eps)
+and v widened by that gradient and a column of ones, made by PyTorch). The named maps "elu"
+and "relu" are applied inside the scan kernels, to q and k as they load them (the backward
+maps them again and takes dq, dk through phi'); callables are applied by PyTorch first.
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
-normalised product, which runs the chunked kernels; "recurrent" there takes the ones column.
+normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
+and "scan" there take the ones column.
 The other methods append a column of ones to v instead: the product then carries z_t as the
 last column of its float32 state, and its last output column is phi(q_t)^T z_t. Either way the
 state of the normalised attention is (B, H, D, E + 1) float32: S in the first E columns, z in
@@ -25,8 +35,9 @@ the last.
 
 With the ones column, float16 inputs run the product in float32: phi(q_t)^T z_t grows like t
 (about D * t for the default feature map), past float16's largest value 65504 for long
-sequences, and the product's output has the input dtype. The chunked and recurrent kernels keep
-the denominator in float32 and store only the normalised output, so float16 stays float16 there.
+sequences, and the product's output has the input dtype. The chunked, recurrent and scan
+kernels keep the denominator in float32 and store only the normalised output, so float16
+stays float16 there.
 bfloat16 shares float32's range and needs no such care.
 """
 
@@ -45,6 +56,7 @@ from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
 from .api import AUTO, causal_product, choose_method
 from .kernels import chunked as _chunked
 from .kernels import recurrent as _recurrent
+from .kernels import scan as _scan
 from .kernels import step as _step
 
 
@@ -84,14 +96,15 @@ def _compute_dtype(dtype, normalize):
 
 
 def _normalizing_kernel(method, q, k, v, initial_state):
-    """The kernel file whose kernels compute the normaliser, or None: "recurrent" (not while
-    torch.compile traces: there it keeps the ones column of the product's operator), "chunked",
-    or "auto" where it picks chunked (while torch.compile traces, "auto" always: its operator
-    chooses at run time). Checks the inputs (as the kernel file does, with the normalised
-    state's (B, H, D, E + 1) layout) before "auto" looks at them."""
-    if method == "recurrent" and not torch.compiler.is_compiling():
-        _recurrent.check_inputs(q, k, v, initial_state, method, normalized=True)
-        return _recurrent
+    """The kernel file whose kernels compute the normaliser, or None: "recurrent" and "scan" (not
+    while torch.compile traces: there they keep the ones column of the product's operator),
+    "chunked", or the kernel file of the method "auto" picks (while torch.compile traces, "auto"
+    always: its operator chooses at run time). Checks the inputs (as the kernel file does, with
+    the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
+    kernel_files = {"recurrent": _recurrent, "scan": _scan}
+    if method in kernel_files and not torch.compiler.is_compiling():
+        kernel_files[method].check_inputs(q, k, v, initial_state, method, normalized=True)
+        return kernel_files[method]
     if method not in ("chunked", AUTO):
         return None
     if torch.compiler.is_compiling():
@@ -102,7 +115,9 @@ def _normalizing_kernel(method, q, k, v, initial_state):
                      index_limit=KERNEL_INDEX_LIMIT)
         return _chunked
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
-    return _chunked if method == "chunked" or choose_method(q, v) == "chunked" else None
+    if method == "chunked":
+        return _chunked
+    return {"chunked": _chunked, "recurrent": _recurrent, "scan": _scan}[choose_method(q, v)]
 
 
 def _mapped(feature, x, name):
@@ -137,9 +152,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         normalize: divide by phi(q_t)^T z_t + eps (the default); False returns the plain
             causal product of phi(q), phi(k) and v, and eps is unused.
         eps: added to the denominator, >= 0 (see the module docstring).
-        method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked" (and "auto"
-            where it picks chunked) and "recurrent" normalise inside the kernel; the others
-            append a column of ones to v (see the module docstring).
+        method: any method of :data:`ttx_tutorial.METHODS`, or "auto". "chunked", "recurrent"
+            and "scan" (and "auto", which picks one of them) normalise inside the kernels;
+            the others append a column of ones to v (see the module docstring).
         initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
             normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
         return_state: also return the state after the last token, in the same layout.
@@ -172,6 +187,12 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
+            if kernel_file is _scan and isinstance(feature_map, str) and not torch.compiler.is_compiling():
+                # The scan kernels map q and k as they load them: no pass over q and k here.
+                with _on_tensors_device(q):
+                    out, state = kernel_file._run_normalized_validated(q, k, v, initial_state, eps,
+                                                                       feature_map=feature_map)
+                return (out, state) if return_state else out
             phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)

@@ -21,11 +21,28 @@ forward's start states transposed; dV = reverse product (K, Q, dO) from G, whose
 dS_0; dK = reverse product (V, dO, Q) from the same suffix states transposed. ``reverse`` = 1
 walks segments and chunks from last to first with the upper triangle. For 16-bit heads up to 64
 wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_kernel`` runs thrice.
+``NORMALIZE`` (``scan_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
+sum_{s<=t} k_s, carried in float32 as column E of every state (states of E + 1 columns, z last,
+S_0 and S_T included): pass 1 sums the segment's keys beside U, pass 2 scans them with the
+rest, and pass 3 carries z through its chunks, forms d_t + eps = the row sum of the chunk's
+masked scores + q_t . z_{c-1} + eps and divides before the store (and keeps d_t + eps for the
+backward). The backward runs on g_t = dO_t / (d_t + eps) with r_t = -(g_t . out_t), the
+denominator's gradient, beside it (a column of r next to g, a column of 1 next to v): the suffix
+states' pass 1 (``NORMALIZER_GRADIENT``) makes g and r from dO, o and d + eps and sums r_t q_t as
+their column E, and the fused backward makes them again and adds r to the score gradients,
+r_t z to dQ and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
+[v, 1] and pass 3 runs thrice on them, in float32.
+``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
+and k by phi(q), phi(k) as passes 1 and 3 and the backward's load them, in float32 then rounded
+to the input dtype as the products take them, with k's padding kept at 0; the backward stores
+dq = dphi(q) * phi'(q), dk likewise (elu + 1: phi' = min(phi, 1); relu: 0 where phi <= 0), and
+its passes on [g, r] map the same way in PyTorch. "identity" compiles to the kernels without a map.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
-keeps its start states, B*H*NS*D*E float32, for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
+keeps its start states, B*H*NS*D*E float32 (with NORMALIZE, rows of E + 1 padded to a multiple of
+16, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
 from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
 and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
@@ -37,15 +54,21 @@ tensor core's truncating accumulator. bfloat16 rounds the float32 state and scor
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and
-float32 "tf32x3" and "tf32" included).
+float32 "tf32x3" and "tf32" included). ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and
+``FEATURE_MAP``: interpreted, and compiled for sm_80 and sm_90 with Triton 3.9, not yet run on a GPU.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
 without a GPU assumes an H100/H200's. 3xTF32 spills registers in pass 3 (float32 inputs, sm_90,
 Triton 3.9), and on 8 warps with a 16 x 16 state Triton 3.6 miscompiles it: 4 warps there.
+The normalised fused backward spills registers at 64-wide bfloat16 heads, as chunked's does
+(Triton 3.9, bytes on sm_90 / sm_80: 120 / 808 on features, 360 / 1424 with elu + 1 inside;
+the plain one: 0 / 288), and on sm_80 so do pass 3 with elu + 1 (144) and the suffix states'
+pass 1 on features (8).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN; each loop sums 0 * its result tiles per row, and a program
 that saw an inf or NaN redoes its segment one token at a time after the loop (the recurrence,
-causal by construction), overwriting what it stored: a slow call, not a wrong one. A config
-that needs more shared memory than the GPU has fails at launch.
+causal by construction; NORMALIZE: with z, g and r), overwriting what it stored: a slow call,
+not a wrong one. The denominators need no such care: their scores are masked by selection.
+A config that needs more shared memory than the GPU has fails at launch.
 The interpreter multiplies bfloat16 bit patterns in ``tl.dot`` and truncates float32 to
 bfloat16: under it (``INTERPRETED``) the kernels round by hand (``_rounded``) and widen every
 product operand to float32.
@@ -88,6 +111,35 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _features(x, mask, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """phi(x) of a tile of q or k as loaded: in float32, rounded to x's dtype as the products take
+    it, and 0 where ``mask`` is false (padding loads as 0, which elu + 1 would map to 1). "elu":
+    elu(x) + 1, as x + 1 or exp(x), without the cancellation of (exp(x) - 1) + 1; "relu": NaN
+    stays NaN, as in PyTorch; "identity": x itself."""
+    if FEATURE_MAP == "identity":
+        return x
+    b_x = x.to(tl.float32)
+    if FEATURE_MAP == "elu":
+        b_phi = tl.where(b_x > 0, b_x + 1.0, tl.exp(b_x))
+    else:
+        b_phi = tl.where(b_x < 0, 0.0, b_x)
+    return _rounded(tl.where(mask, b_phi, 0.0), x.dtype, INTERPRETED)
+
+
+@triton.jit
+def _through_features(b_grad, b_phi, FEATURE_MAP: tl.constexpr):
+    """The gradient of x from b_grad (float32), the gradient of phi(x), and phi(x) as ``_features``
+    made it. elu + 1: phi'(x) is 1 above 0 and exp(x) = phi(x) below, so min(phi(x), 1); relu: 0
+    where phi(x) <= 0, by selection (an inf gradient times 0 would be NaN)."""
+    if FEATURE_MAP == "elu":
+        b_phi = b_phi.to(tl.float32)
+        return b_grad * tl.where(b_phi < 1.0, b_phi, 1.0)
+    if FEATURE_MAP == "relu":
+        return tl.where(b_phi <= 0, 0.0, b_grad)
+    return b_grad
+
+
+@triton.jit
 def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_len, reverse, IS_VARLEN: tl.constexpr):
     """(b, h, walk, first token, tokens, value block) of program ``pid`` (int64) for a walk after
     the chunk loop, derived again from the program id and the arguments as the kernels' openings
@@ -107,13 +159,15 @@ def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_l
 
 
 @triton.jit
-def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, reverse, first_column, D, E,
+def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, reverse, first_column, D, E, eps,
                             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe,
                             stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                            INTERPRETED: tl.constexpr):
+                            NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites o for the segment's tokens from its start state, one token at a time in walk order,
-    in float32: S <- S + k_t v_t^T, o_t = q_t S. No product multiplies a token that o_t must not
-    see, so an inf or NaN reaches exactly the outputs it reaches in the recurrence. Vectors and
+    in float32: S <- S + k_t v_t^T, o_t = q_t S (NORMALIZE: z <- z + k_t, o_t / (q_t . z + eps),
+    z read from column E of the start state), q_t and k_t mapped by FEATURE_MAP. No product
+    multiplies a token that o_t must not see, so an inf or NaN reaches exactly the outputs it
+    reaches in the recurrence. Vectors and
     the state only: fewer registers than a chunk."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = first_column + tl.arange(0, BLOCK_E).to(tl.int64)
@@ -121,62 +175,112 @@ def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, rever
     mask_e = offs_e < E
     b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORMALIZE:
+        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = tl.where(reverse != 0, tokens - 1 - i, i)
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_state += b_k[:, None] * b_v[None, :]
         b_o = tl.sum(b_q[:, None] * b_state, 0)
+        if NORMALIZE:
+            b_z += b_k
+            b_o = b_o / (tl.sum(b_q * b_z, 0) + eps)
         tl.store(o_ptr + t * stride_ot + offs_e * stride_oe, _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_e)
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, start_ptr, tokens, D, E,
-                                    stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
-                                    stride_dqt, stride_dqd, stride_sd, stride_se,
-                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRETED: tl.constexpr):
+def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe, stride_ot, stride_oe,
+                     NORMALIZE: tl.constexpr):
+    """(g_t, r_t) in float32 for one token: dO_t and 0, or with NORMALIZE the numerator's gradient
+    g_t = dO_t / (d_t + eps) and the denominator's r_t = -(g_t . out_t) (see scan_backward_kernel)."""
+    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+    b_grad_denominator = 0.0
+    if NORMALIZE:
+        b_g = b_g / tl.load(denominator_ptr + t)
+        b_o = tl.load(o_ptr + t * stride_ot + offs_e * stride_oe, mask=mask_e, other=0.0).to(tl.float32)
+        b_grad_denominator = -tl.sum(b_g * b_o, 0)
+    return b_g, b_grad_denominator
+
+
+@triton.jit
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, denominator_ptr, start_ptr, tokens,
+                                    D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
+                                    stride_qt, stride_qd, stride_dqt, stride_dqd, stride_ot, stride_oe,
+                                    stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                    NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
-    at a time: P <- P + k_t v_t^T, dq_t = P dO_t, in float32; causal by construction."""
+    at a time: P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t from the start state's
+    column E, plus r_t z), in float32; causal by construction. With a FEATURE_MAP, k_t is mapped
+    and dq_t taken through phi(q_t) (q is read only then)."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
     mask_d = offs_d < D
     mask_e = offs_e < E
     b_p = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORMALIZE:
+        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for t in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
-        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_p += b_k[:, None] * b_v[None, :]
-        b_dq = tl.sum(b_p * b_do[None, :], 1)
+        b_dq = tl.sum(b_p * b_g[None, :], 1)
+        if NORMALIZE:
+            b_z += b_k
+            b_dq += b_grad_denominator * b_z
+        if FEATURE_MAP != "identity":
+            b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+            b_dq = _through_features(b_dq, _features(b_q, mask_d, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
         tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
 
 
 @triton.jit
-def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, start_ptr, tokens, D, E,
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, o_ptr, denominator_ptr,
+                                        start_ptr, tokens, D, E,
                                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
-                                        stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                        stride_ot, stride_oe, stride_sd, stride_se, BLOCK_D: tl.constexpr,
+                                        BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
                                         INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for the segment's tokens, last first, from its suffix state R, one token
-    at a time: R <- R + q_t dO_t^T, dk_t = R v_t, dv_t = R^T k_t, in float32; causal by construction."""
+    at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t from
+    the suffix state's column E, dk_t plus dz), in float32; causal by construction. With a
+    FEATURE_MAP, q_t and k_t are mapped and dk_t taken through phi(k_t)."""
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
     mask_d = offs_d < D
     mask_e = offs_e < E
     b_r = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORMALIZE:
+        b_dz = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = tokens - 1 - i
-        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
+        b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
+        b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
+        b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
-        b_do = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
-        b_r += b_q[:, None] * b_do[None, :]
+        b_r += b_q[:, None] * b_g[None, :]
         b_dk = tl.sum(b_r * b_v[None, :], 1)
+        if NORMALIZE:
+            b_dz += b_grad_denominator * b_q
+            b_dk += b_dz
+        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_dv = tl.sum(b_r * b_k[:, None], 0)
         tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
@@ -185,16 +289,70 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
 
 
 @triton.jit
+def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                          MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(g, r) of a chunk of the normalised backward, from dO, the forward's output and its d + eps:
+    g_t = dO_t / (d_t + eps), the numerator's gradient, as a product operand (bfloat16 for
+    bfloat16 inputs; float32 for float16, whose range g leaves at long T), and r_t = -(g_t . out_t)
+    in float32, the denominator's, from the rounded g, so that g_t . v_s + r_t cancels where it
+    should (v_s ~ out_t). Needs every value column of the chunk's tokens (BLOCK_E >= E)."""
+    b_o = tl.load(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                  mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
+    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+    b_grad_denominator = -tl.sum(b_g.to(tl.float32) * b_o.to(tl.float32), 1)
+    return b_g, b_grad_denominator
+
+
+@triton.jit
+def _normalized_chunk_sum(b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_k, mask_t, mask_e,
+                          stride_ot, stride_oe, NORMALIZER_GRADIENT: tl.constexpr, FEATURE_MAP: tl.constexpr,
+                          FLOAT32_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Pass 1's step for one chunk of the normalised attention: (sum + K^T V, z + the keys' sum),
+    k mapped by FEATURE_MAP first (``mask_k``: its tokens and D). NORMALIZER_GRADIENT, where k and
+    v are q and dO: (sum + Q^T g, z + sum of r_t q_t), g and r made from dO, o and d + eps as
+    scan_backward_kernel's walks make them (``_normalizer_gradients``)."""
+    INPUT_DTYPE: tl.constexpr = b_k.dtype
+    DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
+    b_k = _features(b_k, mask_k, FEATURE_MAP, INTERPRETED)
+    if NORMALIZER_GRADIENT:
+        b_g, b_grad_denominator = _normalizer_gradients(b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e,
+                                                        stride_ot, stride_oe, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                                        INTERPRETED)
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION)
+        b_z += tl.sum(b_grad_denominator[:, None] * b_k.to(tl.float32), 0)
+    else:
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        b_z += tl.sum(b_k.to(tl.float32), 0)
+    return b_sum, b_z
+
+
+@triton.jit
+def _slot_width(E, NORMALIZE: tl.constexpr):
+    """Columns of a row of pass 1's and 2's state buffer: E, or with NORMALIZE z in column E and
+    the row padded to a multiple of 16, so that rows stay aligned for vector loads and stores
+    (an odd width makes pass 2 load element by element). As ``_slot_columns`` on the host."""
+    if NORMALIZE:
+        return (E // 16 + 1) * 16
+    return E
+
+
+@triton.jit
 def scan_summaries_kernel(
-    k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, E), contiguous
-    initial_state_ptr,              # S_0 of the walk (B, H, D, E) float32, read through its strides
+    k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, W), contiguous; W = _slot_width(E, NORMALIZE)
+    initial_state_ptr,              # S_0 of the walk (B, H, D, W) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
     segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
+    o_ptr,                          # NORMALIZER_GRADIENT: the normalised forward's output (B, H, T, E)
+    denominator_ptr,                # NORMALIZER_GRADIENT: its d_t + eps (B, H, T) float32, contiguous
     T, H, D, E,
     segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L) (packed: the table's)
     reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
     BLOCK_E: tl.constexpr,          # the value columns this program owns
@@ -202,9 +360,14 @@ def scan_summaries_kernel(
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,        # k, v hold the table's sequences packed along T of one row
+    NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
+    NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE,
+                                    # BLOCK_E >= E): S sums q_t g_t^T and z sums r_t q_t
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: k is mapped by "elu" or "relu" as loaded, or "identity"
 ):
-    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1; the last
-    program of a (batch*head, value block) to finish then runs pass 2."""
+    """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1 (NORMALIZE:
+    its keys' sum beside it, from the first value block's program); the last program of a
+    (batch*head, value block) to finish then runs pass 2."""
     INPUT_DTYPE: tl.constexpr = k_ptr.dtype.element_ty
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     # A flat grid, value blocks fastest: programs sharing a segment's k run side by side (the
@@ -233,8 +396,11 @@ def scan_summaries_kernel(
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
     k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
     v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+    denominator_ptr += (b64 * H + h64) * T + start64
 
     b_sum = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)  # NORMALIZE: column E of the sum
     for chunk_start in range(0, tokens, CHUNK):
         offs_t = chunk_start + offs_c
         mask_t = offs_t < tokens
@@ -242,11 +408,21 @@ def scan_summaries_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
-        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        if NORMALIZE:  # z beside the sum, and the backward's g and r (_normalized_chunk_sum)
+            b_sum, b_z = _normalized_chunk_sum(
+                b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t[:, None] & mask_d[None, :],
+                mask_t, mask_e, stride_ot, stride_oe, NORMALIZER_GRADIENT, FEATURE_MAP, FLOAT32_PRECISION,
+                INTERPRETED)
+        else:
+            b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
 
-    states_ptr += bh.to(tl.int64) * n_segments * D * E
-    tl.store(states_ptr + (walk + 1).to(tl.int64) * D * E + offs_d[:, None] * E + offs_e[None, :], b_sum,
+    state_width = _slot_width(E, NORMALIZE)
+    states_ptr += bh.to(tl.int64) * n_segments * D * state_width
+    slot_ptr = states_ptr + (walk + 1).to(tl.int64) * D * state_width
+    tl.store(slot_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_sum,
              mask=mask_d[:, None] & mask_e[None, :])
+    if NORMALIZE:  # z belongs to no value block: the first block's program stores it
+        tl.store(slot_ptr + offs_d * state_width + E, b_z, mask=offs_d < tl.where(e_block == 0, D, 0))
 
     # Pass 2 needs every sum of this (batch*head, value block), and programs cannot wait for
     # each other: each counts itself in once its sum is stored, and the last to arrive (NS - 2
@@ -257,16 +433,21 @@ def scan_summaries_kernel(
     if arrived == n_segments - 2:
         initial_state_ptr += b64 * stride_s0b + h64 * stride_s0h
         _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
-                           D, E, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN)
+                           D, E, state_width, n_segments, reverse, e_block, BLOCK_D, BLOCK_E, IS_VARLEN)
+        if NORMALIZE:  # z, column E, as a value block of one column (block E of width 1), by the first block's
+            if e_block == 0:
+                _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d,
+                                   stride_s0e, D, E + 1, state_width, n_segments, reverse, E, BLOCK_D, 1, IS_VARLEN)
 
 
 @triton.jit
 def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, stride_s0d, stride_s0e,
-                       D, E, n_segments, reverse, e_block, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):
+                       D, E, state_width, n_segments, reverse, e_block, BLOCK_D: tl.constexpr,
+                       BLOCK_E: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
-    slot 0. states_ptr: this head's (NS, D, E) buffer. Packed (IS_VARLEN), the scan restarts at
-    the first walked segment of each sequence, from that sequence's S_0 (row ``seq`` of S_0).
+    slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned. Packed
+    (IS_VARLEN), the scan restarts at the first walked segment of each sequence, from that
+    sequence's S_0 (row ``seq`` of S_0).
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
@@ -276,16 +457,16 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
-        offs_state = offs_d[:, None] * E + offs_e[None, :]
+        offs_state = offs_d[:, None] * state_width + offs_e[None, :]
         offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
         first_seq = 0
         if IS_VARLEN:
             first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
         b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-        slot_ptr = states_ptr  # a scalar that steps D * E a slot: fewer registers than a tile of pointers
+        slot_ptr = states_ptr  # a scalar that steps a slot at a time: fewer registers than a tile of pointers
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
         for walk in range(1, n_segments):
-            slot_ptr += D * E
+            slot_ptr += D * state_width
             # .cg reads from L2: other multiprocessors wrote these sums.
             b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
             if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
@@ -301,11 +482,13 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
 def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
-    final_state_ptr,                # float32 (B*H, D, E), contiguous (packed: one per sequence and head)
+    final_state_ptr,                # float32 (B*H, D, W), contiguous (packed: one per sequence and head)
     segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
+    denominator_ptr,                # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     segment_len, n_segments,
     reverse,                        # 1: walk from last to first, so that o_t sees tokens j >= t
+    eps,                            # NORMALIZE: added once to each denominator
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -317,10 +500,14 @@ def scan_outputs_kernel(
     INTERPRETED: tl.constexpr,
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,
+    NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only): states
+                                    # of W = E + 1 columns, z (the keys' sum) in column E
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: q and k are mapped by "elu" or "relu" as loaded, or "identity"
 ):
     """Pass 3: the chunked causal product of one segment from its start state."""
     # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
     q_arg, k_arg, v_arg, o_arg, start_arg = q_ptr, k_ptr, v_ptr, o_ptr, start_ptr
+    STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     # The operand type that meets the float32 state and scores (see the header).
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -366,6 +553,13 @@ def scan_outputs_kernel(
     start_ptr += b64 * stride_sb + h64 * stride_sh + walk.to(tl.int64) * stride_sw
     b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
                       mask=mask_de, other=0.0)
+    # NORMALIZE: z, the sum of the keys so far, carried next to the state. It needs no v, so every
+    # value block's program carries it; d_t + eps and z are stored by the first block's.
+    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORMALIZE:
+        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
+    denominator_ptr += (b64 * H + h64) * T + start64
+    stored_tokens = tl.where(e_block == 0, tokens, 0)
 
     # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
     # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
@@ -381,6 +575,10 @@ def scan_outputs_kernel(
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        # phi(k) is 0 past the tokens and D, so the state, z and the scores never see phi(q) there
+        # (and rows past the tokens are not stored): q's padding needs no mask.
+        b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
+        b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
 
         b_kt = tl.trans(b_k).to(DOT_DTYPE)
         b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
@@ -392,13 +590,23 @@ def scan_outputs_kernel(
                      b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
         b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
         b_seen += tl.sum(b_o * 0.0, 1)
+        if NORMALIZE:
+            # d_t = rowsum of the unrounded masked scores + q_t . z_{c-1}, in float32; masked with
+            # tl.where, so an inf or NaN of a later key reaches no earlier denominator.
+            b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
+            tl.store(denominator_ptr + offs_t, b_denominator, mask=offs_t < stored_tokens)
+            b_o = b_o / b_denominator[:, None]
+            b_z += tl.sum(b_k.to(tl.float32), 0)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                  _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_t[:, None] & mask_e[None, :])
 
     if ends_walk:  # the last walked segment (of its sequence) ends on S_T
-        final_state_ptr += final_row.to(tl.int64) * D * E
-        tl.store(final_state_ptr + offs_d[:, None] * E + offs_e[None, :], b_state, mask=mask_de)
+        state_width = E + STATE_WIDTH_EXTRA
+        final_state_ptr += final_row.to(tl.int64) * D * state_width
+        tl.store(final_state_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_state, mask=mask_de)
+        if NORMALIZE:
+            tl.store(final_state_ptr + offs_d * state_width + E, b_z, mask=offs_d < tl.where(e_block == 0, D, 0))
 
     if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the segment's outputs causally
         redo_b, redo_h, redo_walk, redo_first, redo_tokens, redo_e_block = _segment_after_loop(
@@ -409,18 +617,21 @@ def scan_outputs_kernel(
                                 v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
                                 o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
                                 start_arg + redo_b * stride_sb + redo_h * stride_sh + redo_walk * stride_sw,
-                                redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, stride_qt, stride_qd,
+                                redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd,
                                 stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
-                                BLOCK_D, BLOCK_E, INTERPRETED)
+                                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
 def scan_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
+    o_ptr,                          # NORMALIZE: the forward's output (B, H, T, E)
+    denominator_ptr,                # NORMALIZE: the forward's d_t + eps (B, H, T) float32, contiguous
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
-    ds0_ptr,                        # float32 (B*H, D, E), contiguous: dS_0, written by segment 0
+    ds0_ptr,                        # float32 (B*H, D, W), contiguous: dS_0, written by segment 0
+                                    # (the states have W = E + 1 columns, z or dz last, with NORMALIZE)
     segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
@@ -429,6 +640,7 @@ def scan_backward_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -439,6 +651,8 @@ def scan_backward_kernel(
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    NORMALIZE: tl.constexpr,        # the backward of scan_outputs_kernel's NORMALIZE forward
+    FEATURE_MAP: tl.constexpr,      # NORMALIZE: the forward's map; dq and dk are taken through it
 ):
     """The backward's pass 3 for one segment, all three products in one program: a forward walk
     for dQ, from the forward's start state transposed (P = S^T, E x D),
@@ -447,9 +661,20 @@ def scan_backward_kernel(
     segments of Q^T dO (D x E), with U the upper triangle,
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
-    and the program of the first segment (of its sequence, when packed) stores the final R, dS_0."""
+    and the program of the first segment (of its sequence, when packed) stores the final R, dS_0.
+    NORMALIZE, out_t = n_t / (d_t + eps) with d_t = q_t . z_t: the numerator's gradient is
+    g_t = dO_t / (d_t + eps), the denominator's r_t = -(g_t . out_t); d_t is a causal product of
+    q and k with values 1, so both walks run the above on g with a column of r beside it: r_t
+    joins every visible score gradient (dO_c V_c^T and V_c dO_c^T), dQ_c gains r_t z_{c-1} (z
+    from the forward start state's column E, plus the earlier chunks' keys), and dK_c gains dz,
+    the suffix state's column E, G_z plus r_t q_t of the later tokens; what dz ends as is dz_0.
+    One program holds every column of a token, so g and r are made here.
+    FEATURE_MAP: q and k are mapped as loaded, as in the forward, the walks run on phi(q), phi(k),
+    and the gradients of phi(q) and phi(k) are taken through the map before their store."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see below).
     q_arg, k_arg, v_arg, do_arg, dq_arg, dk_arg, dv_arg = q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr
+    o_arg, denominator_arg = o_ptr, denominator_ptr
+    STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
     forward_start_arg, suffix_start_arg = forward_start_ptr, suffix_start_ptr
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -487,12 +712,17 @@ def scan_backward_kernel(
     dq_ptr += b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
     dk_ptr += b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
     dv_ptr += b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
+    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+    denominator_ptr += (b64 * H + h64) * T + start64
     # As in scan_outputs_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose
     # tiles held an inf or NaN is redone one token at a time after the loops.
     if compute_dq:
         forward_start_ptr += b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
         b_p = tl.load(forward_start_ptr + offs_e[:, None] * stride_fe + offs_d[None, :] * stride_fd,
                       mask=mask_e[:, None] & mask_d[None, :], other=0.0)             # [E, D]
+        b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if NORMALIZE:
+            b_z = tl.load(forward_start_ptr + offs_d * stride_fd + E * stride_fe, mask=mask_d, other=0.0)
         lower = offs_c[:, None] >= offs_c[None, :]
         b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
         for i in range(0, n_chunks):
@@ -505,15 +735,30 @@ def scan_backward_kernel(
                           mask=mask_t[:, None] & mask_e[None, :], other=0.0)         # [C, E]
             b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
                           mask=mask_td, other=0.0)                                   # [C, D]
-            b_vt = tl.trans(b_v).to(DOT_DTYPE)
-            b_scores = tl.dot(b_do.to(DOT_DTYPE), b_vt, input_precision=FLOAT32_PRECISION)
+            b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
+            if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
+                b_do, b_grad_denominator = _normalizer_gradients(
+                    b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                    MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                b_vt = tl.trans(b_v).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
+                b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION) + b_grad_denominator[:, None]
+            else:
+                b_vt = tl.trans(b_v).to(DOT_DTYPE)
+                b_scores = tl.dot(b_do.to(DOT_DTYPE), b_vt, input_precision=FLOAT32_PRECISION)
             b_scores = tl.where(lower, b_scores, 0.0)
             b_dq = tl.dot(b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
                           _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           input_precision=FLOAT32_PRECISION)
             b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                           b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
-            b_p = tl.dot(b_vt, b_k.to(DOT_DTYPE), acc=b_p, input_precision=FLOAT32_PRECISION)
+            if NORMALIZE:
+                b_dq += b_grad_denominator[:, None] * b_z[None, :]
+                b_z += tl.sum(b_k.to(tl.float32), 0)
+            b_p = tl.dot(b_vt, b_k.to(b_vt.dtype), acc=b_p, input_precision=FLOAT32_PRECISION)
+            if FEATURE_MAP != "identity":  # dq = the gradient of phi(q) times phi'(q)
+                b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                              mask=mask_td, other=0.0)
+                b_dq = _through_features(b_dq, _features(b_q, mask_td, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -524,14 +769,21 @@ def scan_backward_kernel(
                 do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
                 v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
                 k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
                 dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
+                o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                 forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw, redo_tokens, D, E,
-                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
-                stride_fd, stride_fe, BLOCK_D, BLOCK_E, INTERPRETED)
+                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
+                FEATURE_MAP, INTERPRETED)
 
     suffix_start_ptr += b64 * stride_rb + h64 * stride_rh + (n_segments - 1 - segment).to(tl.int64) * stride_rw
     b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
                   mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
+    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORMALIZE:
+        b_dz = tl.load(suffix_start_ptr + offs_d * stride_rd + E * stride_re, mask=mask_d, other=0.0)
     upper = offs_c[:, None] <= offs_c[None, :]
     b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     for i in range(0, n_chunks):
@@ -544,9 +796,18 @@ def scan_backward_kernel(
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
         b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
                        other=0.0)
+        b_q = _features(b_q, mask_td, FEATURE_MAP, INTERPRETED)
+        b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
         b_kq = tl.dot(b_k.to(DOT_DTYPE), tl.trans(b_q).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
         b_kq = tl.where(upper, b_kq, 0.0)
-        b_vdo = tl.dot(b_v.to(DOT_DTYPE), tl.trans(b_do).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
+        if NORMALIZE:  # g and r in place of dO, as in the forward walk
+            b_do, b_grad_denominator = _normalizer_gradients(
+                b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+            b_vdo = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_do), input_precision=FLOAT32_PRECISION)
+            b_vdo += b_grad_denominator[None, :]
+        else:
+            b_vdo = tl.dot(b_v.to(DOT_DTYPE), tl.trans(b_do).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
         b_vdo = tl.where(upper, b_vdo, 0.0)
         b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
         b_dv = tl.dot(b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)
@@ -555,7 +816,14 @@ def scan_backward_kernel(
         b_dk = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)
         b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
                       b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
-        b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
+        if NORMALIZE:
+            b_dk += b_dz[None, :]
+            b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
+            b_r = tl.dot(tl.trans(b_q).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do, acc=b_r,
+                         input_precision=FLOAT32_PRECISION)
+        else:
+            b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
+        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
         tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
                  _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -563,8 +831,12 @@ def scan_backward_kernel(
                  _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
     if starts_sequence:  # the reverse walk ends on dS_0
-        ds0_ptr += ds0_row.to(tl.int64) * D * E
-        tl.store(ds0_ptr + offs_d[:, None] * E + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+        state_width = E + STATE_WIDTH_EXTRA
+        ds0_ptr += ds0_row.to(tl.int64) * D * state_width
+        tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r,
+                 mask=mask_d[:, None] & mask_e[None, :])
+        if NORMALIZE:
+            tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
     if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
         redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
@@ -576,10 +848,13 @@ def scan_backward_kernel(
             do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
             dk_arg + redo_b * stride_dkb + redo_h * stride_dkh + redo_first * stride_dkt,
             dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
+            o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+            denominator_arg + (redo_b * H + redo_h) * T + redo_first,
             suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh + (n_segments - 1 - redo_walk) * stride_rw,
             redo_tokens, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_rd, stride_re, BLOCK_D, BLOCK_E, INTERPRETED)
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
+            BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
@@ -806,25 +1081,26 @@ FUSED_BACKWARD_MAX_BLOCK = 64
 _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _fused_backward_shared_memory(fused, dtype):
-    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO in
-    flight, plus R and its transpose as product operands (counted at 4 bytes)."""
-    chunk_bytes = fused["CHUNK"] * 2 * (fused["BLOCK_D"] + fused["BLOCK_E"]) * dtype.itemsize
+def _fused_backward_shared_memory(fused, dtype, normalize=False):
+    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO (and
+    o when normalising) in flight, plus R and its transpose as product operands (counted at 4 bytes)."""
+    chunk_bytes = fused["CHUNK"] * (2 * fused["BLOCK_D"] + (2 + normalize) * fused["BLOCK_E"]) * dtype.itemsize
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1]):
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False):
     """Launch parameters of ``scan_backward_kernel``, or None where the backward runs pass 3 three
     times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK). CHUNK: the forward's,
     at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates need the registers).
     One program per segment leaves the load pipeline as its parallelism: 4 warps, 4 stages,
-    fewer stages until the loads in flight fit ``shared_memory``."""
+    fewer stages until the loads in flight fit ``shared_memory`` (``normalize``: the normalised
+    backward's, which also loads o)."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
-    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype) > shared_memory:
+    while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
 
@@ -887,102 +1163,165 @@ def _segment_table(cu_seqlens, segment_len, T):
     return table
 
 
-def _segment_starts(k, v, initial, *, reverse, config, segments=None):
+def _slot_columns(E, normalize):
+    """``_slot_width``: E, or E + 1 (z last) padded to a multiple of 16 when normalising."""
+    return (E // 16 + 1) * 16 if normalize else E
+
+
+def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, o=None, denominator=None,
+                    feature_map="identity"):
     """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
-    ``segments``: the table of packed sequences (``_segment_table``), or None."""
+    ``segments``: the table of packed sequences (``_segment_table``), or None. ``normalize``:
+    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With the
+    normalised forward's ``o`` and ``denominator``, the normalised backward's suffix states
+    (NORMALIZER_GRADIENT): k and v are q and dO, S sums q_t g_t^T and z sums r_t q_t, one value
+    block holding every column.
+    ``feature_map`` maps k (q) as the kernel loads it."""
     B, H, T, D = k.shape
     E = v.shape[-1]
     # rounded up, as triton.cdiv but without its host cost
     n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     if n_segments <= 1:
         return initial
-    block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
+    gradient = denominator is not None
+    block_d, chunk = _block(D), config["CHUNK"]
+    block_e = _block(E) if gradient else config["BLOCK_E"]  # r_t needs every column of g_t and out_t
     e_blocks = -(-E // block_e)
-    states = torch.empty(B * H, n_segments, D, E, device=k.device, dtype=torch.float32)
+    width = _slot_columns(E, normalize)
+    states = torch.empty(B * H, n_segments, D, width, device=k.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
+    # Stand-ins for the pointers a launch without NORMALIZER_GRADIENT never follows.
+    o_arg, denominator_arg = (o, denominator) if gradient else (v, arrivals)
     with _launch_guard():
         scan_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
             k, v, states, initial.tensor, arrivals, arrivals if segments is None else segments,
-            T, H, D, E, config["SEGMENT_LEN"], n_segments,
-            int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
+            o_arg, denominator_arg, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            int(reverse), *k.stride(), *v.stride(), *o_arg.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
+            NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient, FEATURE_MAP=feature_map,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
-    return _States(states, (H * n_segments * D * E, n_segments * D * E, D * E, E, 1))
+    return _States(states, (H * n_segments * D * width, n_segments * D * width, D * width, width, 1))
 
 
-def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None):
+def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None, denominator=None,
+                     eps=0.0, feature_map="identity"):
     """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
-    one final state per sequence: (n_sequences, H, D, E)."""
+    one final state per sequence: (n_sequences, H, D, E). With ``denominator``, a (B, H, T)
+    float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
+    E + 1 columns, z last, and ``feature_map`` maps q and k as the kernel loads them."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     # rounded up, as triton.cdiv but without its host cost
     n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
+    normalize = denominator is not None
     o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
-    final_state = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device,
+    final_state = torch.empty(B if segments is None else n_sequences, H, D, E + normalize, device=q.device,
                               dtype=torch.float32)
     with _launch_guard():
         scan_outputs_kernel[(B * H * n_segments * -(-E // block_e),)](
             q, k, v, o, starts.tensor, final_state, final_state if segments is None else segments,
-            T, H, D, E, config["SEGMENT_LEN"], n_segments,
-            int(reverse), *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
+            denominator if normalize else final_state,
+            T, H, D, E, config["SEGMENT_LEN"], n_segments, int(reverse), float(eps),
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
-            FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None, NORMALIZE=normalize,
+            FEATURE_MAP=feature_map, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     return o, final_state
 
 
-def _launch(q, k, v, initial_state, config, cu_seqlens=None):
+def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, feature_map="identity"):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
-    length, segment table or None). Packed (``cu_seqlens``): segments cut per sequence
-    (``_segment_table``), one state per sequence."""
+    length, segment table or None, d + eps or None). Packed (``cu_seqlens``): segments cut per
+    sequence (``_segment_table``), one state per sequence. With ``eps``, the normalised forward
+    (NORMALIZE): states of E + 1 columns, z last, and d_t + eps (B, H, T) float32 for the backward;
+    ``feature_map`` maps q and k in the kernels."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    normalize = eps is not None
+    denominator = torch.empty(B, H, T, device=q.device, dtype=torch.float32) if normalize else None
     if T == 0:  # nothing to walk: S_T is S_0
-        final_state = torch.empty(n_states, H, D, E, device=q.device, dtype=torch.float32)
+        final_state = torch.empty(n_states, H, D, E + normalize, device=q.device, dtype=torch.float32)
         if initial_state is None:
             final_state.zero_()
         else:
             final_state.copy_(initial_state)
-        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None
+        return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
     resolved = _resolve_config(q, v, config)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
-    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments)
+    starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
+                             feature_map=feature_map)
     o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, segments=segments,
-                                      n_sequences=n_states)
-    return o, final_state, starts, resolved["SEGMENT_LEN"], segments
+                                      n_sequences=n_states, denominator=denominator, eps=eps or 0.0,
+                                      feature_map=feature_map)
+    return o, final_state, starts, resolved["SEGMENT_LEN"], segments, denominator
 
 
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
-                     segments=None, n_sequences=None):
+                     segments=None, n_sequences=None, o=None, denominator=None, feature_map="identity"):
     """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
-    is (n_sequences, H, D, E)."""
+    is (n_sequences, H, D, E). With the forward's ``o`` and ``denominator``, the normalised
+    backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last, and q, k are
+    mapped by the forward's ``feature_map``."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = -(-T // segment_len) if segments is None else segments.shape[1]  # rounded up
+    normalize = denominator is not None
     # Each gradient laid out as its input: autograd keeps it as is, without a copy to the leaf's strides.
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq = torch.empty_like(q) if compute_dq else None
-    ds0 = torch.empty(B if segments is None else n_sequences, H, D, E, device=q.device, dtype=torch.float32)
+    ds0 = torch.empty(B if segments is None else n_sequences, H, D, E + normalize, device=q.device,
+                      dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
+    o_arg, denominator_arg = (o, denominator) if normalize else (grad_o, ds0)  # stand-ins likewise
     with _launch_guard():
         scan_backward_kernel[(B * H * n_segments,)](
-            q, k, v, grad_o, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor, ds0,
-            ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
-            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(), *dk.stride(), *dv.stride(),
-            *forward_starts.strides, *suffix_starts.strides,
+            q, k, v, grad_o, o_arg, denominator_arg, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor,
+            ds0, ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
+            *dk.stride(), *dv.stride(), *forward_starts.strides, *suffix_starts.strides,
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
-            INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None,
-            num_warps=fused["num_warps"], num_stages=fused["num_stages"],
+            INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None, NORMALIZE=normalize,
+            FEATURE_MAP=feature_map, num_warps=fused["num_warps"], num_stages=fused["num_stages"],
         )
     return dq, dk, dv, ds0
+
+
+def _backward_in_passes(q, k, v, grad_o, forward_starts, grad_final, overrides, needs, packed):
+    """dq, dk, dv, dS_0 (None where not needed) from pass 3 run up to three times (and passes 1
+    and 2 once, for the suffix states), every product cut into the forward's segments:
+    dQ = forward product (dO, V, K) from the forward's start states transposed; dV = reverse
+    product (K, Q, dO) from G, whose final state is dS_0; dK = reverse product (V, dO, Q) from the
+    same suffix states transposed. ``needs``: (q, k, v, initial state)."""
+    need_q, need_k, need_v, need_initial = needs
+    dq = dk = dv = d_initial = None
+    if need_q:
+        dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
+                                 config=_resolve_config(grad_o, k, overrides), **packed)
+    if need_k or need_v or need_initial:
+        config = _resolve_config(k, grad_o, overrides)
+        suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
+                                        segments=packed["segments"])
+        if need_v or need_initial:
+            dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True, config=config, **packed)
+        if need_k:
+            dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
+                                     config=_resolve_config(v, q, overrides), **packed)
+    return dq, dk, dv, d_initial
+
+
+def _empty_sequence_gradients(q, k, v, grad_final_state, needs):
+    """The backward of T = 0: empty gradients for q, k, v; S_T = S_0 passes G through."""
+    need_q, need_k, need_v, need_initial = needs
+    dq, dk, dv = (torch.zeros_like(x) if need else None for x, need in ((q, need_q), (k, need_k), (v, need_v)))
+    return dq, dk, dv, grad_final_state if need_initial else None
 
 
 class _ScanCausalProduct(torch.autograd.Function):
@@ -990,7 +1329,7 @@ class _ScanCausalProduct(torch.autograd.Function):
     def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
         ctx.set_materialize_grads(False)
         ctx.config = config
-        o, final_state, starts, ctx.segment_len, segments = _launch(q, k, v, initial_state, config, cu_seqlens)
+        o, final_state, starts, ctx.segment_len, segments, _ = _launch(q, k, v, initial_state, config, cu_seqlens)
         ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments)
         ctx.start_strides = None if starts is None else starts.strides
         ctx.n_states = final_state.shape[0]
@@ -1000,18 +1339,16 @@ class _ScanCausalProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
         q, k, v, start_tensor, segments = ctx.saved_tensors
-        need_q, need_k, need_v, need_initial = ctx.needs_input_grad[:4]
+        needs = ctx.needs_input_grad[:4]
+        need_q, need_k, need_v, need_initial = needs
         packed = {"segments": segments, "n_sequences": ctx.n_states}
         B, H, T, D = q.shape
         E = v.shape[-1]
-        if T == 0:  # empty gradients for q, k, v; S_T = S_0 passes G through
-            dq, dk, dv = (torch.zeros_like(x) if need else None
-                          for x, need in ((q, need_q), (k, need_k), (v, need_v)))
-            return dq, dk, dv, grad_final_state if need_initial else None, None, None
+        if T == 0:
+            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None)
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
         grad_final = _States.initial(grad_final_state, q.device)
-        dq = dk = dv = d_initial = None
         # Every product cuts the sequence into the forward's segments, so that start states can
         # be shared: the forward's serve dQ, and one pass 1 and 2 of suffix sums serves dV and dK.
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
@@ -1026,20 +1363,108 @@ class _ScanCausalProduct(torch.autograd.Function):
                                                      segment_len=ctx.segment_len, fused=fused,
                                                      compute_dq=need_q, **packed)
         else:
-            if need_q:
-                dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
-                                         config=_resolve_config(grad_o, k, overrides), **packed)
-            if need_suffix:
-                suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
-                                                segments=segments)
-                if need_v or need_initial:
-                    dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True,
-                                                     config=config, **packed)
-                if need_k:
-                    dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
-                                             config=_resolve_config(v, q, overrides), **packed)
+            dq, dk, dv, d_initial = _backward_in_passes(q, k, v, grad_o, forward_starts, grad_final, overrides,
+                                                        needs, packed)
         return (dq, dk if need_k else None, dv if need_v else None,
                 d_initial if need_initial else None, None, None)
+
+
+def _features_of(x, feature_map):
+    """phi(x) in PyTorch as the kernels compute it (``_features``): in float32, rounded to x's dtype."""
+    x32 = x.float()
+    if feature_map == "elu":
+        return torch.where(x32 > 0, x32 + 1, torch.exp(x32)).to(x.dtype)
+    return torch.where(x32 < 0, 0.0, x32).to(x.dtype)
+
+
+def _through_features_of(grad, phi, feature_map):
+    """The gradient of x from ``grad``, that of phi(x), as the kernels take it (``_through_features``)."""
+    phi = phi.float()
+    if feature_map == "elu":
+        return grad * torch.where(phi < 1, phi, 1.0)
+    return torch.where(phi <= 0, 0.0, grad)
+
+
+def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts, grad_final, overrides,
+                                   needs, packed, feature_map="identity"):
+    """The normalised backward where the fused kernel does not apply (float32, heads over 64):
+    ``_backward_in_passes`` on the plain product's operands widened by one column, the
+    denominator's: dO -> [g, r] with g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t), v -> [v, 1].
+    Then dQ's product adds r_t z_t (z: column E of the forward's start states), dK's adds dz_s =
+    G_z + sum_{t >= s} r_t q_t (column E of G and of the suffix states), and dV's final state
+    ends on [dS_0, dz_0]; dV is its first E columns. g, r and the ones are made here in PyTorch
+    (elementwise passes), and the passes run in float32 for every input dtype: r and z enter
+    the products as operands, and the denominator's terms cancel much of dq and dk, which would
+    magnify their rounding to 16 bits (bfloat16's dq then errs by about 6 %). With a
+    ``feature_map``, q and k are mapped here as the forward's kernels mapped them, and dq, dk are
+    taken through the map."""
+    raw_q, raw_k = q, k
+    if feature_map != "identity":
+        q, k = _features_of(q, feature_map), _features_of(k, feature_map)
+    g = grad_o.float() / denominator.unsqueeze(-1)
+    r = -(g * o.float()).sum(-1, keepdim=True)
+    widened_grad = torch.cat([g, r], dim=-1)
+    widened_v = torch.cat([v.float(), v.new_ones((*v.shape[:-1], 1), dtype=torch.float32)], dim=-1)
+    need_q, need_k, need_v, need_initial = needs
+    dq, dk, widened_dv, d_initial = _backward_in_passes(
+        q.float(), k.float(), widened_v, widened_grad, forward_starts, grad_final, overrides,
+        (need_q, need_k, need_v or need_initial, need_initial), packed)
+    if feature_map != "identity":
+        dq = None if dq is None else _through_features_of(dq, q, feature_map)
+        dk = None if dk is None else _through_features_of(dk, k, feature_map)
+    return (None if dq is None else dq.to(raw_q.dtype), None if dk is None else dk.to(raw_k.dtype),
+            None if widened_dv is None else widened_dv[..., :-1].to(v.dtype), d_initial)
+
+
+class _ScanNormalizedAttention(torch.autograd.Function):
+    """Forward: passes 1 to 3 with the normaliser (two launches). Backward: the suffix states'
+    passes 1 and 2 and one fused pass 3 with the denominator's terms, or the passes on [g, r]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens, feature_map):
+        ctx.set_materialize_grads(False)
+        ctx.config = config
+        ctx.feature_map = feature_map
+        o, final_state, starts, ctx.segment_len, segments, denominator = _launch(
+            q, k, v, initial_state, config, cu_seqlens, eps=eps, feature_map=feature_map)
+        # q, k as given: the backward maps them again
+        ctx.save_for_backward(q, k, v, o, denominator, None if starts is None else starts.tensor, segments)
+        ctx.start_strides = None if starts is None else starts.strides
+        ctx.n_states = final_state.shape[0]
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        q, k, v, o, denominator, start_tensor, segments = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        packed = {"segments": segments, "n_sequences": ctx.n_states}
+        B, H, T, D = q.shape
+        E = v.shape[-1]
+        if T == 0:
+            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None, None, None)
+        if grad_o is None:  # only the final state was used
+            grad_o = torch.zeros_like(o)
+        grad_final = _States.initial(grad_final_state, q.device)
+        overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
+        forward_starts = _States(start_tensor, ctx.start_strides)
+        config = _resolve_config(k, grad_o, overrides)
+        fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1],
+                                      normalize=True)
+        if fused is not None:
+            suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config, segments=segments,
+                                            normalize=True, o=o, denominator=denominator,
+                                            feature_map=ctx.feature_map)
+            dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
+                                                     segment_len=ctx.segment_len, fused=fused, compute_dq=needs[0],
+                                                     o=o, denominator=denominator, feature_map=ctx.feature_map,
+                                                     **packed)
+        else:
+            dq, dk, dv, d_initial = _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts,
+                                                                   grad_final, overrides, needs, packed,
+                                                                   ctx.feature_map)
+        return (dq, dk if needs[1] else None, dv if needs[2] else None, d_initial if needs[3] else None,
+                None, None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -1087,13 +1512,14 @@ def check_cu_seqlens(q, cu_seqlens):
         raise ValueError(f"cu_seqlens must end at total_T = {q.shape[2]} (dimension 2 of q), got {last}")
 
 
-def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None):
+def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None, *, normalized=False):
     """A TypeError or ValueError naming the argument and the limit for any input the kernels cannot
     take: q, k, v must be dense 4-D tensors, (B, H, T, D), (B, H, T, D) and (B, H, T, E), of one
     dtype of _INPUT_DTYPES, on the GPU (the CPU under TRITON_INTERPRET=1), with 1 <= D, E <=
     MAX_HEAD_DIM and one head spanning at most INDEX_LIMIT + 1 elements; initial_state None or a
-    dense floating (B, H, D, E) tensor on their device. cu_seqlens: None, or the offsets of N
-    sequences packed along T (``check_cu_seqlens``); the states are then (N, H, D, E)."""
+    dense floating (B, H, D, E) tensor on their device ((B, H, D, E + 1) when ``normalized``).
+    cu_seqlens: None, or the offsets of N sequences packed along T (``check_cu_seqlens``); the
+    states are then (N, H, D, E) (E + 1 when ``normalized``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -1154,9 +1580,12 @@ def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None):
             raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
         _check_dense("initial_state", initial_state)
         if cu_seqlens is None:
-            layout, expected = "(B, H, D, E)", (*q.shape[:2], D, E)
+            expected = (*q.shape[:2], D, E + normalized)
+            layout = "(B, H, D, E + 1), z as the last column," if normalized else "(B, H, D, E)"
         else:  # one state per packed sequence
-            layout, expected = "(N, H, D, E) with cu_seqlens", (cu_seqlens.shape[0] - 1, q.shape[1], D, E)
+            expected = (cu_seqlens.shape[0] - 1, q.shape[1], D, E + normalized)
+            layout = ("(N, H, D, E + 1) with cu_seqlens, z as the last column," if normalized
+                      else "(N, H, D, E) with cu_seqlens")
         if tuple(initial_state.shape) != expected:
             raise ValueError(
                 f"initial_state must have shape {layout} = {expected}, got {tuple(initial_state.shape)}"
@@ -1220,3 +1649,53 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
         return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
     return _launch(q, k, v, initial_state, config, cu_seqlens)[:2]
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+#: Feature maps the normalised kernels apply to q and k as they load them.
+FEATURE_MAPS = ("elu", "relu", "identity")
+
+
+def _check_feature_map(feature_map):
+    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS} (apply others to q and k first and pass "
+                         f"'identity'), got {feature_map!r}")
+
+
+def scan_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=None, cu_seqlens=None,
+                              feature_map="identity"):
+    """Normalised causal linear attention of features phi(q), phi(k):
+    out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps), S_t = S_0 + sum_{s<=t} phi(k_s) v_s^T,
+    z_t = z_0 + sum_{s<=t} phi(k_s), numerator and denominator accumulated in float32 in the same
+    passes. feature_map, applied by the kernels as they load q and k (no pass of its own): "elu"
+    (elu(x) + 1), "relu", or "identity" (the default: q, k are features already). eps (finite,
+    >= 0) is added once, to phi(q_t)^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
+    ``scan_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
+    packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
+    final_state float32 in the initial state's layout. Differentiable in q, k, v and
+    initial_state."""
+    check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
+    _check_eps(eps)
+    _check_feature_map(feature_map)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return _run_normalized_validated(q, k, v, initial_state, eps, config, cu_seqlens, feature_map)
+
+
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, cu_seqlens=None,
+                              feature_map="identity"):
+    """``scan_normalized_attention`` for inputs, eps and feature_map included, already checked."""
+    if config is not None:
+        check_config(config)
+    q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
+        return _ScanNormalizedAttention.apply(q, k, v, initial_state, float(eps), config, cu_seqlens, feature_map)
+    return _launch(q, k, v, initial_state, config, cu_seqlens, eps=float(eps), feature_map=feature_map)[:2]

@@ -1,0 +1,349 @@
+"""The normaliser inside the scan kernels (NORMALIZE, NORMALIZER_GRADIENT): method "scan" of
+causal_linear_attention and ``scan.scan_normalized_attention``, against float64.
+
+The reference is test_attention's, written independently of the ones column: the masked
+weights A = tril(phi(Q) phi(K)^T), out = A V / (A 1 + eps), the state (S, z). Every output is
+allocated poisoned (NaN), so an element a pass forgets to write fails the comparison. Short
+segments (``SHORT``: 16 tokens, chunks of 16) put several segments in a short sequence, so
+that z crosses passes 1, 2 and 3, forward and backward.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ttx_tutorial
+from ttx_tutorial import attention, references, testing
+from ttx_tutorial.kernels import scan
+from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error,
+                                  run_python)
+from test_attention import (NORMALISED_BF16_DQ_TOLERANCE, attention64, attention64_by_chunks,
+                            check_gradient_of_the_state_alone, check_gradients_of_values_far_from_zero,
+                            check_kernel_normaliser_with_state, check_long_sequence_stays_finite,
+                            check_normalised_entry, reference_attention, reference_gradients,
+                            reference_with_state, state_after_prefix)
+from test_recurrent import _RECORD_AND_COMPILE
+from test_reliability import assert_same_results, with_garbage
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+#: Segments of 16 tokens in chunks of 16: a 45-token sequence walks three segments.
+SHORT = {"CHUNK": 16, "SEGMENT_LEN": 16}
+
+
+def phi(x):
+    return F.elu(x) + 1
+
+
+# The rule's configuration: one segment at this length (CPU mode assumes an H200's multiprocessors).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feature", ["elu", "relu", "callable"])
+def test_method_scan_matches_float64_with_states_and_gradients(feature, dtype):
+    """causal_linear_attention(method="scan") normalises in its kernels."""
+    check_kernel_normaliser_with_state("scan", 77, 24, feature, dtype)
+
+
+def test_method_scan_normalises_in_the_kernel(monkeypatch):
+    """The route: one normalised forward of the kernel file (NORMALIZE), v as given, no ones
+    column; a plain product on [v, 1] would show as E + 1 columns without eps."""
+    seen = []
+    launch = scan._launch
+
+    def recording_launch(q, k, v, *args, **kwargs):
+        seen.append((v.shape[-1], kwargs.get("eps") is not None))
+        return launch(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(scan, "_launch", recording_launch)
+    q, k, v = random_inputs(1, 2, 9, 8, 5)
+    ttx_tutorial.causal_linear_attention(q, k, v, method="scan")
+    assert seen == [(5, True)]
+
+
+#: (dtype, D, E, config): which backward runs, how many segments cut the 45 tokens and how many
+#: value blocks split E in the forward.
+PATHS = {
+    "bf16 fused backward, 3 segments, 3 value blocks": (torch.bfloat16, 16, 40, {**SHORT, "BLOCK_E": 16}),
+    "fp16 fused backward, 2 segments, 2 value blocks": (torch.float16, 32, 20,
+                                                        {"CHUNK": 16, "SEGMENT_LEN": 32, "BLOCK_E": 16}),
+    "bf16 passes on [g, r] (D > 64), 3 segments": (torch.bfloat16, 80, 8, SHORT),
+    "fp16 passes on [g, r] (E > 64), in float32": (torch.float16, 8, 72, SHORT),
+    "fp32 passes on [g, r], 2 value blocks": (torch.float32, 8, 20, {**SHORT, "BLOCK_E": 16, "num_warps": 4}),
+    "bf16 fused backward, one segment": (torch.bfloat16, 16, 12, None),
+}
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["with a state", "from nothing"])
+@pytest.mark.parametrize("path", PATHS)
+def test_segments_value_blocks_and_backward_paths_match_float64(path, with_state):
+    """The kernel file's entry on features: z through passes 1 to 3, every value block's program
+    computing its own denominator, and both backwards; out, state and the four gradients
+    against float64."""
+    dtype, D, E, config = PATHS[path]
+    check_normalised_entry(scan.scan_normalized_attention, dtype, 45, D, E, config, with_state, path)
+
+
+@pytest.mark.parametrize("feature, with_state", [("elu", True), ("relu", False)])
+@pytest.mark.parametrize("path", PATHS)
+def test_feature_maps_inside_the_kernels_on_every_path(path, feature, with_state):
+    """The kernels map raw q and k themselves (``feature_map``), forward and backward: passes 1
+    to 3, the suffix states' pass 1, the fused backward's two walks (dq and dk through phi') and
+    the passes on [g, r], which map in PyTorch as the kernels do. D and E are not powers of two
+    on most paths, and 45 tokens end inside a chunk: the padding, which loads as 0 and which
+    elu + 1 would map to 1, must stay 0."""
+    dtype, D, E, config = PATHS[path]
+    check_normalised_entry(scan.scan_normalized_attention, dtype, 45, D, E, config, with_state,
+                           f"{feature} {path}", feature)
+
+
+def raising_feature_map(x):
+    raise AssertionError("the feature map ran in PyTorch")
+
+
+@pytest.mark.parametrize("feature", ["elu", "relu"])
+def test_named_feature_maps_run_inside_the_scan_kernels(feature, monkeypatch):
+    """A named map with method "scan" reaches the kernels with the raw q and k: PyTorch's map is
+    never called, forward or backward; a callable is still applied by PyTorch first."""
+    monkeypatch.setitem(attention.FEATURE_MAPS, feature, raising_feature_map)
+    reference_map = {"elu": phi, "relu": F.relu}[feature]
+    q, k, v = random_inputs(1, 2, 37, 12, 8, dtype=torch.bfloat16)
+    # Shifted up, away from relu's near-eps denominators (see test_attention's chunked test).
+    q, k = (x + 0.5 for x in (q, k))
+    for x in (q, k, v):
+        x.requires_grad_()
+    out = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=feature, method="scan")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected, _ = reference_attention(q, k, v, reference_map, True, 1e-6)
+    assert_close(out, expected, torch.bfloat16, "output")
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, reference_map, True, 1e-6, grad_out)):
+        tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[torch.bfloat16]
+        error = relative_error(leaf.grad, grad)
+        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+    with pytest.raises(AssertionError, match="the feature map ran in PyTorch"):
+        ttx_tutorial.causal_linear_attention(q, k, v, feature_map=raising_feature_map, method="scan")
+
+
+@pytest.mark.parametrize("path", [path for path, (dtype, *_) in PATHS.items() if dtype != torch.bfloat16])
+def test_gradients_of_values_far_from_zero(path):
+    """Values of mean 3: r_t = -(g_t . out_t) then cancels most of dk's and dq's other terms, so
+    a missing or misplaced term of the denominator shows at once (bfloat16's rounding leaves too
+    little of dq: see test_attention's test of the chunked kernel)."""
+    dtype, D, E, config = PATHS[path]
+    check_gradients_of_values_far_from_zero(scan.scan_normalized_attention, dtype, 45, D, E, config, f"{path} ")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_of_the_state_alone(dtype):
+    """Only the returned state is used: no output gradient reaches the backward."""
+    check_gradient_of_the_state_alone("scan", dtype, 40, 16, 8)
+
+
+def test_gradient_of_the_state_alone_across_segments():
+    """The same through three segments: the suffix states' passes 1 and 2 carry dz on their own."""
+    raw = random_inputs(1, 2, 40, 8, 5)
+    q, k = (phi(x).detach() for x in raw[:2])
+    v = raw[2]
+    for x in (k, v):
+        x.requires_grad_()
+    s0 = state_after_prefix(1, 2, 8, 5, phi)
+    with poisoned_allocations():
+        _, state = scan.scan_normalized_attention(q, k, v, s0, config=SHORT)
+        grad_state = torch.randn_like(state)
+        state.backward(grad_state)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
+    _, expected_state = attention64(*leaves[:3], lambda x: x, True, 1e-6, leaves[3])
+    expected = torch.autograd.grad(expected_state, leaves[1:], grad_state.double())
+    for label, leaf, grad in zip(("k", "v", "initial state"), (k, v, s0), expected):
+        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_sequences_match_each_sequence_alone(dtype):
+    """cu_seqlens of four sequences, an empty one and one of one token among them, with
+    boundaries at tokens 20 and 21 of the packed row, inside its 16-token segments: each
+    sequence is cut into its own segments, and its output, final (S, z) and gradients equal
+    float64 on that sequence alone, from its own initial state."""
+    lengths = [20, 0, 1, 35]
+    H, D, E = 2, 8, 5
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=ttx_tutorial.DEVICE)
+    raw = random_inputs(1, H, sum(lengths), D, E, dtype=dtype)
+    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
+    v = raw[2].requires_grad_()
+    s0 = torch.cat([state_after_prefix(1, H, D, E, phi).detach() for _ in lengths]).requires_grad_()
+    with poisoned_allocations():
+        out, state = scan.scan_normalized_attention(q, k, v, s0, config=SHORT, cu_seqlens=offsets)
+        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+        torch.autograd.backward((out, state), (grad_out, grad_state))
+    assert state.shape == (len(lengths), H, D, E + 1)
+    for n, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        part = slice(start, stop)
+        expected_out, expected_state, *expected_grads = reference_with_state(
+            (q[:, :, part], k[:, :, part], v[:, :, part]), s0[n:n + 1], phi, 1e-6, grad_out[:, :, part],
+            grad_state[n:n + 1], mapped=True)
+        assert_close(out[:, :, part], expected_out, dtype, f"sequence {n} output")
+        assert_close(state[n:n + 1], expected_state, torch.float32, f"sequence {n} final (S, z)")
+        for label, leaf, grad in zip("qkv", (q, k, v), expected_grads):
+            tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
+            if stop > start:
+                error = relative_error(leaf.grad[:, :, part], grad)
+                assert error <= tolerance, f"sequence {n} d{label}: {error:.3e}"
+        assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the plain product, on purpose
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_long_sequence_stays_finite(dtype):
+    """Features of about 3 make phi(q).z pass float16's 65504 within 512 tokens of 16 features:
+    the normalised passes keep it in float32 and stay finite and accurate, gradients included."""
+    check_long_sequence_stays_finite("scan", dtype, 512, 4, 1e-1)
+
+
+def test_widest_values_normalise_with_gradients():
+    """E = 256, where a ones column would not fit (E + 1 values): the passes carry the
+    normaliser beside the state, forward and backward."""
+    q, k, v = random_inputs(1, 1, 6, 4, 256, requires_grad=True)
+    with poisoned_allocations():
+        out = ttx_tutorial.causal_linear_attention(q, k, v, method="scan")
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
+    assert_close(out, expected, torch.float32)
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
+        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
+
+
+def normalized_with_gradients(q, k, v, grad_o, *, reference, feature_map="identity"):
+    """(out, S_T, dq, dk, dv) of scan's normalised attention (eps 1e-6, segments of 64 tokens)
+    with the kernels' ``feature_map``, or of its float64 reference: ``cumsum`` of the mapped q, k
+    on v with a column of ones appended, whose last output column is the denominator phi(q_t) . z_t."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with testing.poisoned_allocations():
+        if reference:
+            mapping = {"identity": lambda x: x, "elu": phi}[feature_map]
+            ones = torch.ones_like(leaves[2][..., :1])
+            extended, state = references.cumsum(mapping(leaves[0]), mapping(leaves[1]),
+                                                torch.cat([leaves[2], ones], -1))
+            out = extended[..., :-1] / (extended[..., -1:] + 1e-6)
+        else:
+            out, state = scan.scan_normalized_attention(*leaves, eps=1e-6, config={"SEGMENT_LEN": 64},
+                                                        feature_map=feature_map)
+        out.backward(grad_o.to(out.device, out.dtype))
+    return out.detach(), state.detach(), *(x.grad for x in leaves)
+
+
+# 130 tokens in segments of 64 (one chunk each at this head): the garbage at token 100
+# sits in the middle segment, late in a chunk. bfloat16 takes the fused backward, float32 the
+# passes on [g, r].
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("argument, garbage", [("q", math.inf), ("k", math.nan), ("v", math.inf), ("do", math.nan)],
+                         ids=["q-inf", "k-nan", "v-inf", "do-nan"])
+def test_non_finite_values_stay_causal(argument, garbage, dtype):
+    q, k, v, grad_o = with_garbage(1, 2, 130, 16, 16, dtype, ttx_tutorial.DEVICE, argument, garbage, 100, seed=6)
+    q, k = q.abs(), k.abs()  # positive features: denominators far from 0
+    found = normalized_with_gradients(q, k, v, grad_o, reference=False)
+    expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)), reference=True)
+    assert_same_results("normalised scan", ("out", "S_T", "dq", "dk", "dv"), found, expected, dtype,
+                        tolerances={"dq": NORMALISED_BF16_DQ_TOLERANCE} if dtype == torch.bfloat16 else None)
+
+
+# The walks token by token map q and k as the chunk loops do (the fused backward's: bfloat16), and
+# at D = 12 the padding of q and k, mapped to 1 by elu + 1, must stay out of them.
+@pytest.mark.parametrize("argument, garbage", [("q", -math.inf), ("k", math.inf), ("v", math.nan), ("do", math.inf)],
+                         ids=["q--inf", "k-inf", "v-nan", "do-inf"])
+def test_non_finite_values_stay_causal_with_a_feature_map(argument, garbage):
+    q, k, v, grad_o = with_garbage(1, 2, 130, 12, 16, torch.bfloat16, ttx_tutorial.DEVICE, argument, garbage, 100,
+                                   seed=7)
+    found = normalized_with_gradients(q, k, v, grad_o, reference=False, feature_map="elu")
+    expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)), reference=True,
+                                         feature_map="elu")
+    assert_same_results("normalised scan elu", ("out", "S_T", "dq", "dk", "dv"), found, expected, torch.bfloat16,
+                        tolerances={"dq": NORMALISED_BF16_DQ_TOLERANCE})
+
+
+def test_errors_are_named():
+    q, k, v = random_inputs(1, 2, 5, 40, 8)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, D, E \+ 1\), z as the last "
+                                         r"column, = \(1, 2, 40, 9\), got \(1, 2, 40, 8\)"):
+        scan.scan_normalized_attention(q, k, v, torch.zeros(1, 2, 40, 8, device=q.device))
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(N, H, D, E \+ 1\) with cu_seqlens"):
+        scan.scan_normalized_attention(q[:1], k[:1], v[:1], torch.zeros(2, 2, 40, 8, device=q.device),
+                                       cu_seqlens=torch.tensor([0, 2, 5], device=q.device))
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        scan.scan_normalized_attention(q, k, v, eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        scan.scan_normalized_attention(q, k, v, eps=None)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        scan.scan_normalized_attention(q, k, v, config={"WALK": "blocks"})
+    for bad in ("gelu", F.elu, None):
+        with pytest.raises(ValueError, match=r"feature_map must be one of \('elu', 'relu', 'identity'\)"):
+            scan.scan_normalized_attention(q, k, v, feature_map=bad)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, D, E \+ 1\)"):
+        ttx_tutorial.causal_linear_attention(q, k, v, method="scan", initial_state=torch.zeros(2, 2, 40, 9))
+
+
+# On the GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_65536_tokens_match_float64(dtype):
+    """The normalised scan over 65536 tokens (the rule's segments), and its fused backward:
+    finite, and out and the gradients of q, k and v against float64 (on the GPU, chunk by chunk)."""
+    q, k, v = random_inputs(1, 2, 65536, 64, 64, dtype=dtype, requires_grad=True)
+    with poisoned_allocations():
+        out, _ = scan.scan_normalized_attention(*(phi(x) for x in (q, k)), v)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    assert torch.isfinite(out).all()
+    for leaf in (q, k, v):
+        assert torch.isfinite(leaf.grad).all()
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = attention64_by_chunks(*leaves, phi, 1e-6)
+    assert_close(out, expected, dtype, "output")
+    for label, leaf, grad in zip("qkv", (q, k, v), torch.autograd.grad(expected, leaves, grad_out.double())):
+        tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[dtype]
+        error = relative_error(leaf.grad, grad)
+        assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
+
+
+# Compiled for the GPU, on any machine -------------------------------------------------------
+
+@pytest.mark.parametrize("feature_map", ["identity", "elu"])
+@pytest.mark.parametrize("target", ["sm_90", "sm_80"])
+def test_benchmark_launches_compile_without_spills(target, feature_map):
+    """The normalised forward and backward as launched on (8, 16, 4096, 64, 64) bfloat16 with an
+    initial state (features given, or elu + 1 inside the kernels, causal_linear_attention's
+    default), compiled for ``target`` with that GPU's limits: every launch (passes 1 and 2, pass
+    3, the suffix passes 1 and 2 and the fused backward) compiles and fits, and on sm_90 passes 1
+    to 3 spill nothing (ptxas' STACK). The fused backward spills some, and so does pass 3 with
+    elu + 1 on sm_80 (see the kernel file's header)."""
+    limits = {"sm_90": (132, 232448), "sm_80": (108, 166912)}[target]
+    result = run_python(_RECORD_AND_COMPILE + f"""
+        from ttx_tutorial.kernels import scan
+        scan._device_limits = lambda device: {limits}
+        kernels = {{name: getattr(scan, name) for name in
+                   ("scan_summaries_kernel", "scan_outputs_kernel", "scan_backward_kernel")}}
+        launches = []
+        for name, kernel in kernels.items():
+            kernel.run = lambda *args, grid, warmup, name=name, **kwargs: launches.append((name, args, kwargs))
+        q, k, v = (torch.zeros(8, 16, 4096, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        s0 = torch.zeros(8, 16, 64, 65, requires_grad=True)
+        o, state = scan._run_normalized_validated(q, k, v, s0, 1e-6, feature_map="{feature_map}")
+        torch.autograd.backward((o, state), (torch.zeros_like(o), torch.zeros_like(state)))
+        for kernel in kernels.values():
+            del kernel.run
+        assert [name for name, _, _ in launches] == ["scan_summaries_kernel", "scan_outputs_kernel",
+                                                     "scan_summaries_kernel", "scan_backward_kernel"], launches
+        for name, args, kwargs in launches:
+            assert kwargs["NORMALIZE"], (name, kwargs)
+            compiled = compiler.compile_launch(kernels[name], *args, target="{target}", **kwargs)
+            assert compiled.ok, compiled.summary()
+            print(name, "NORMALIZER_GRADIENT" if kwargs.get("NORMALIZER_GRADIENT") else "")
+            print_resources(compiled)
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stdout
+    print(report)
+    passes = report.split("scan_backward_kernel")[0]
+    if target == "sm_90":
+        assert passes.count("STACK:0") == 3, report
