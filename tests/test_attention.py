@@ -274,24 +274,28 @@ KERNEL_PATHS = {
 }
 
 
-def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what):
+def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what, feature="identity"):
     """A kernel file's normalised entry, ``entry(q, k, v, s0, eps=, config=)``, on elu + 1
     features of (1, 2, T, D, E) inputs, outputs poisoned: out, the (S, z) state and the gradients
-    of q, k, v (and S_0 ``with_state``) against float64."""
-    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    of q, k, v (and S_0 ``with_state``) against float64. With a named ``feature`` the entry
+    takes the raw inputs and ``feature_map=feature``, and the gradients are those of the raw q, k."""
+    phi = FEATURE_MAPS["elu" if feature == "identity" else feature][1]
     raw = random_inputs(1, 2, T, D, E, dtype=dtype)
-    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
+    mapped = feature == "identity"
+    q, k = ((phi(x) if mapped else x).detach().requires_grad_() for x in raw[:2])
     v = raw[2].requires_grad_()
     s0 = state_after_prefix(1, 2, D, E, phi) if with_state else None
+    mapping = {} if mapped else {"feature_map": feature}
     with poisoned_allocations():
-        out, state = entry(q, k, v, s0, eps=1e-3, config=config)
+        out, state = entry(q, k, v, s0, eps=1e-3, config=config, **mapping)
         grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
         torch.autograd.backward((out, state), (grad_out, grad_state))
     s0_reference = torch.zeros_like(state) if s0 is None else s0
     expected_out, expected_state, *expected_grads = reference_with_state(
-        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=True)
+        (q, k, v), s0_reference, phi, 1e-3, grad_out, grad_state, mapped=mapped)
     assert_close(out, expected_out, dtype, f"{what} output")
-    assert_close(state, expected_state, torch.float32, f"{what} final (S, z)")
+    # Features mapped in the kernel are rounded to the input dtype, those of the reference are not.
+    assert_close(state, expected_state, torch.float32 if mapped else dtype, f"{what} final (S, z)")
     check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, what)
 
 
