@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ttx_tutorial
-from ttx_tutorial import attention, references, testing
+from ttx_tutorial import references, testing
 from ttx_tutorial.kernels import scan
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, relative_error,
                                   run_python)
@@ -96,19 +96,14 @@ def test_feature_maps_inside_the_kernels_on_every_path(path, feature, with_state
                            f"{feature} {path}", feature)
 
 
-def raising_feature_map(x):
-    raise AssertionError("the feature map ran in PyTorch")
-
-
 @pytest.mark.parametrize("feature", ["elu", "relu"])
-def test_named_feature_maps_run_inside_the_scan_kernels(feature, monkeypatch):
-    """A named map with method "scan" reaches the kernels with the raw q and k: PyTorch's map is
-    never called, forward or backward; a callable is still applied by PyTorch first."""
-    monkeypatch.setitem(attention.FEATURE_MAPS, feature, raising_feature_map)
+def test_named_feature_maps_with_method_scan(feature):
+    """causal_linear_attention(method="scan") maps q and k in PyTorch and runs the scan kernels'
+    normaliser on the features: out and the gradients of the raw q, k, v against float64."""
     reference_map = {"elu": phi, "relu": F.relu}[feature]
     q, k, v = random_inputs(1, 2, 37, 12, 8, dtype=torch.bfloat16)
     # Shifted up, so that relu leaves no query with a denominator near eps: there bfloat16's dk and
-    # dq lose digits to the normaliser's cancellation, in the kernels and in PyTorch alike.
+    # dq lose digits to the normaliser's cancellation.
     q, k = (x + 0.5 for x in (q, k))
     for x in (q, k, v):
         x.requires_grad_()
@@ -121,8 +116,6 @@ def test_named_feature_maps_run_inside_the_scan_kernels(feature, monkeypatch):
         tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" else TOLERANCES[torch.bfloat16]
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"d{label}: {error:.3e} > {tolerance:.0e}"
-    with pytest.raises(AssertionError, match="the feature map ran in PyTorch"):
-        ttx_tutorial.causal_linear_attention(q, k, v, feature_map=raising_feature_map, method="scan")
 
 
 @pytest.mark.parametrize("path", [path for path, (dtype, *_) in PATHS.items() if dtype != torch.bfloat16])

@@ -16,15 +16,16 @@ denominator comes from the chunk's masked scores and z, the division happens bef
 store, and the backward kernel takes the denominator's gradient in the same walks. The
 recurrent kernels compute the normaliser in their walks (method "recurrent"), forward and
 backward (two elementwise passes first make the backward's dO_t / (d_t + eps) and the
-denominator's gradient). Both take features PyTorch maps.
+denominator's gradient).
 The scan kernels compute it in their passes (method "scan", and "auto" where it picks scan):
 z is summed beside each segment's state, scanned with it and carried through the outputs
 pass, which forms the denominator from the chunk's masked scores and z and divides before
 the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
 denominator's gradient themselves (its passes for float32 and wide heads: on dO / (d + eps)
-and v widened by that gradient and a column of ones, made by PyTorch). The named maps "elu"
-and "relu" are applied inside the scan kernels, to q and k as they load them (the backward
-maps them again and takes dq, dk through phi'); callables are applied by PyTorch first.
+and v widened by that gradient and a column of ones, made by PyTorch). Every kernel takes
+features PyTorch maps: the scan kernel file can also map "elu" and "relu" as it loads q and k
+(``scan_normalized_attention(feature_map=)``), but on an H200 that made its backward slower
+than PyTorch's two elementwise passes (benchmarks/NOTES.md).
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
 and "scan" there take the ones column.
@@ -187,12 +188,6 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
-            if kernel_file is _scan and isinstance(feature_map, str) and not torch.compiler.is_compiling():
-                # The scan kernels map q and k as they load them: no pass over q and k here.
-                with _on_tensors_device(q):
-                    out, state = kernel_file._run_normalized_validated(q, k, v, initial_state, eps,
-                                                                       feature_map=feature_map)
-                return (out, state) if return_state else out
             phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
