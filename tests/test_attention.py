@@ -299,6 +299,51 @@ def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what, feat
     check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, what)
 
 
+def check_packed_normalised_entry(entry, lengths, dtype, H=2, D=8, E=5):
+    """``entry(q, k, v, s0, cu_seqlens)``, a kernel file's normalised entry, on elu + 1 features
+    of sequences of ``lengths`` packed in one row, outputs poisoned: each sequence's output,
+    final (S, z) and gradients equal float64 on that sequence alone, from its own initial state."""
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=ttx_tutorial.DEVICE)
+    raw = random_inputs(1, H, sum(lengths), D, E, dtype=dtype)
+    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
+    v = raw[2].requires_grad_()
+    s0 = torch.cat([state_after_prefix(1, H, D, E, phi).detach() for _ in lengths]).requires_grad_()
+    with poisoned_allocations():
+        out, state = entry(q, k, v, s0, offsets)
+        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+        torch.autograd.backward((out, state), (grad_out, grad_state))
+    assert state.shape == (len(lengths), H, D, E + 1)
+    for n, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        part = slice(start, stop)
+        expected_out, expected_state, *expected_grads = reference_with_state(
+            (q[:, :, part], k[:, :, part], v[:, :, part]), s0[n:n + 1], phi, 1e-6, grad_out[:, :, part],
+            grad_state[n:n + 1], mapped=True)
+        assert_close(out[:, :, part], expected_out, dtype, f"sequence {n} output")
+        assert_close(state[n:n + 1], expected_state, torch.float32, f"sequence {n} final (S, z)")
+        for label, leaf, grad in zip("qkv", (q, k, v), expected_grads):
+            tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
+            if stop > start:
+                error = relative_error(leaf.grad[:, :, part], grad)
+                assert error <= tolerance, f"sequence {n} d{label}: {error:.3e}"
+        assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
+
+
+def check_widest_values_normalise(method):
+    """E = 256, where a ones column would not fit (E + 1 values): ``method``'s kernels carry the
+    normaliser beside the state, forward and backward, against float64."""
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    q, k, v = random_inputs(1, 1, 6, 4, 256, requires_grad=True)
+    with poisoned_allocations():
+        out = ttx_tutorial.causal_linear_attention(q, k, v, method=method)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
+    assert_close(out, expected, torch.float32)
+    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
+        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
+
+
 def check_gradients_of_values_far_from_zero(entry, dtype, T, D, E, config, what):
     """``entry(q, k, v, config=)`` on elu + 1 features and values of mean 3 (the tests below say
     why): the gradients of k and v, and of q in float32, against float64."""

@@ -19,8 +19,7 @@ from test_recurrent import _RECORD_AND_COMPILE
 from test_attention import (NORMALISED_BF16_DQ_TOLERANCE, attention64_by_chunks,
                             check_gradient_of_the_state_alone, check_gradients_of_values_far_from_zero,
                             check_kernel_normaliser_with_state, check_long_sequence_stays_finite,
-                            check_normalised_entry, reference_attention, reference_gradients,
-                            reference_with_state, state_after_prefix)
+                            check_normalised_entry, check_packed_normalised_entry, check_widest_values_normalise)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -91,32 +90,10 @@ def test_gradient_of_the_state_alone(dtype):
 def test_packed_sequences_match_each_sequence_alone(dtype, walk):
     """cu_seqlens (an empty sequence and one of one token among them): each sequence's output,
     final (S, z) and gradients equal float64 on that sequence alone, from its own initial state."""
-    lengths = [6, 0, 1, 9]
-    H, D, E = 2, 8, 5
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=ttx_tutorial.DEVICE)
-    raw = random_inputs(1, H, sum(lengths), D, E, dtype=dtype)
-    q, k = (phi(x).detach().requires_grad_() for x in raw[:2])
-    v = raw[2].requires_grad_()
-    s0 = torch.cat([state_after_prefix(1, H, D, E, phi).detach() for _ in lengths]).requires_grad_()
-    with poisoned_allocations():
-        out, state = recurrent.recurrent_normalized_attention(q, k, v, s0, config={"WALK": walk},
-                                                              cu_seqlens=offsets)
-        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
-        torch.autograd.backward((out, state), (grad_out, grad_state))
-    assert state.shape == (len(lengths), H, D, E + 1)
-    for n, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
-        part = slice(start, stop)
-        expected_out, expected_state, *expected_grads = reference_with_state(
-            (q[:, :, part], k[:, :, part], v[:, :, part]), s0[n:n + 1], phi, 1e-6, grad_out[:, :, part],
-            grad_state[n:n + 1], mapped=True)
-        assert_close(out[:, :, part], expected_out, dtype, f"sequence {n} output")
-        assert_close(state[n:n + 1], expected_state, torch.float32, f"sequence {n} final (S, z)")
-        for label, leaf, grad in zip("qkv", (q, k, v), expected_grads):
-            tolerance = NORMALISED_BF16_DQ_TOLERANCE if label == "q" and dtype == torch.bfloat16 else TOLERANCES[dtype]
-            if stop > start:
-                error = relative_error(leaf.grad[:, :, part], grad)
-                assert error <= tolerance, f"sequence {n} d{label}: {error:.3e}"
-        assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
+    check_packed_normalised_entry(
+        lambda q, k, v, s0, offsets: recurrent.recurrent_normalized_attention(q, k, v, s0, config={"WALK": walk},
+                                                                           cu_seqlens=offsets),
+        [6, 0, 1, 9], dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the plain product, on purpose
@@ -130,15 +107,7 @@ def test_long_sequence_stays_finite(dtype):
 def test_widest_values_normalise_with_gradients():
     """E = 256, where a ones column would not fit (E + 1 values): the walks carry the
     normaliser beside the state, forward and backward."""
-    q, k, v = random_inputs(1, 1, 6, 4, 256, requires_grad=True)
-    with poisoned_allocations():
-        out = ttx_tutorial.causal_linear_attention(q, k, v, method="recurrent")
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-    expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
-    assert_close(out, expected, torch.float32)
-    for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
+    check_widest_values_normalise("recurrent")
 
 
 def test_errors_are_named():
