@@ -84,7 +84,7 @@ def wrapper_calls(module):
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
-            normalized=False):
+            normalized=False, feature_map=None):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
@@ -96,12 +96,14 @@ def wrapper_calls(module):
                   if with_state else None)
             if normalized:  # the states carry z as an extra column
                 packing = {} if packed is None else {"cu_seqlens": packed}
-                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing)
+                mapping = {} if feature_map is None else {"feature_map": feature_map}
+                o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing, **mapping)
             else:
                 o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
-                "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized}
+                "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized,
+                "feature_map": feature_map}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
