@@ -267,7 +267,7 @@ def check_kernel_normaliser_with_state(method, T, E, feature, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("feature", ["elu", "relu", "callable"])
 def test_kernel_normaliser_matches_float64_with_states_and_gradients(feature, dtype):
-    """method="chunked" normalises in the kernel (the named maps inside it too)."""
+    """method="chunked" normalises in the kernel, on features PyTorch maps."""
     check_kernel_normaliser_with_state("chunked", 77, 24, feature, dtype)
 
 
@@ -336,11 +336,11 @@ def check_packed_normalised_entry(entry, lengths, dtype, H=2, D=8, E=5):
         assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
 
 
-def check_widest_values_normalise(method):
+def check_widest_values_normalise(method, T=6, D=4):
     """E = 256, where a ones column would not fit (E + 1 values): ``method``'s kernels carry the
     normaliser beside the state, forward and backward, against float64."""
     phi = lambda x: F.elu(x) + 1  # noqa: E731
-    q, k, v = random_inputs(1, 1, 6, 4, 256, requires_grad=True)
+    q, k, v = random_inputs(1, 1, T, D, 256, requires_grad=True)
     with poisoned_allocations():
         out = ttx_tutorial.causal_linear_attention(q, k, v, method=method)
         grad_out = torch.randn_like(out)
@@ -421,10 +421,7 @@ def test_chunked_normalises_where_a_ones_column_would_not_fit():
     """E = 256: a ones column would make the values 257 wide, past every kernel's limit;
     "chunked" computes the normaliser in the kernel and takes it (so do "recurrent" and "scan",
     tested in their files)."""
-    q, k, v = random_inputs(1, 1, 20, 16, 256)
-    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked")
-    expected, _ = reference_attention(q, k, v, lambda x: F.elu(x) + 1, True, 1e-6)
-    assert_close(out, expected, torch.float32)
+    check_widest_values_normalise("chunked", T=20, D=16)
 
 
 def test_kernel_normaliser_errors_are_named():

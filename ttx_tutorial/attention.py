@@ -96,16 +96,19 @@ def _compute_dtype(dtype, normalize):
     return torch.float32 if normalize and dtype == torch.float16 else dtype
 
 
+#: The kernel files that compute the normaliser in their kernels, by method.
+_NORMALIZING_KERNEL_FILES = {"chunked": _chunked, "recurrent": _recurrent, "scan": _scan}
+
+
 def _normalizing_kernel(method, q, k, v, initial_state):
     """The kernel file whose kernels compute the normaliser, or None: "recurrent" and "scan" (not
     while torch.compile traces: there they keep the ones column of the product's operator),
     "chunked", or the kernel file of the method "auto" picks (while torch.compile traces, "auto"
     always: its operator chooses at run time). Checks the inputs (as the kernel file does, with
     the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
-    kernel_files = {"recurrent": _recurrent, "scan": _scan}
-    if method in kernel_files and not torch.compiler.is_compiling():
-        kernel_files[method].check_inputs(q, k, v, initial_state, method, normalized=True)
-        return kernel_files[method]
+    if method in ("recurrent", "scan") and not torch.compiler.is_compiling():
+        _NORMALIZING_KERNEL_FILES[method].check_inputs(q, k, v, initial_state, method, normalized=True)
+        return _NORMALIZING_KERNEL_FILES[method]
     if method not in ("chunked", AUTO):
         return None
     if torch.compiler.is_compiling():
@@ -116,9 +119,7 @@ def _normalizing_kernel(method, q, k, v, initial_state):
                      index_limit=KERNEL_INDEX_LIMIT)
         return _chunked
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
-    if method == "chunked":
-        return _chunked
-    return {"chunked": _chunked, "recurrent": _recurrent, "scan": _scan}[choose_method(q, v)]
+    return _NORMALIZING_KERNEL_FILES[method if method == "chunked" else choose_method(q, v)]
 
 
 def _mapped(feature, x, name):
