@@ -176,21 +176,38 @@ def test_through_causal_product(dtype):
 
 
 def test_segment_length_rule_on_the_main_benchmark_shape():
-    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 2
-    at least two programs per SM of an H200 and keep the float32 states' traffic (each written
-    and read about four times) under a quarter of the q, k, v, o traffic. It gives 1024-token
-    segments, the fastest length of the recorded sweep (benchmarks/NOTES.md)."""
+    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 3
+    about two programs per SM of an H200 (at least one) and keep the float32 states' traffic
+    (each written and read about four times) under a quarter of the q, k, v, o traffic. It
+    gives 2048-token segments, the fastest length of the recorded sweep (benchmarks/NOTES.md)."""
     B, H, T, D, E, sm_count = 1, 8, 65536, 64, 64, 132
     blocks = scan._default_blocks(D, E, BF16)
     e_blocks = -(-E // blocks["BLOCK_E"])
     length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count)
     segments = -(-T // length)
     assert length % blocks["CHUNK"] == 0
-    assert length == 1024
-    assert B * H * segments * e_blocks >= 2 * sm_count
+    assert length == 2048
+    assert sm_count <= B * H * segments * e_blocks <= 4 * sm_count
     state_bytes = 4 * B * H * segments * D * E * 4
     token_bytes = B * H * T * (2 * D + 2 * E) * 2
     assert state_bytes <= token_bytes / 4
+
+
+def test_packed_sequences_get_shorter_segments(monkeypatch):
+    """Packed sequences end in partial segments: the rule aims for twice the programs there
+    (65536 tokens, 16 heads of 64 in bfloat16: 2048 tokens packed, 4096 as one sequence, the
+    fastest of each in the recorded sweep), and the wrapper applies it where cu_seqlens is given."""
+    one = scan.default_config(1, 16, 65536, 64, 64, BF16, 132)["SEGMENT_LEN"]
+    packed = scan.default_config(1, 16, 65536, 64, 64, BF16, 132, packed=True)["SEGMENT_LEN"]
+    assert (one, packed) == (4096, 2048)
+    asked = []
+    rule = scan._resolved_config
+    monkeypatch.setattr(scan, "_resolved_config", lambda *args: asked.append(args[-1]) or rule(*args))
+    q, k, v = random_inputs(1, 1, 40, 4, 4, dtype=F32, seed=0)
+    offsets = torch.tensor([0, 15, 40], device=q.device)
+    ttx_tutorial.causal_product(q, k, v, "scan", cu_seqlens=offsets)
+    ttx_tutorial.causal_product(q, k, v, "scan")
+    assert asked == [True, False]
 
 
 def test_config_is_checked():

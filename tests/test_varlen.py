@@ -280,7 +280,9 @@ def test_scan_segment_table_matches_a_torch_construction():
         expected = torch.stack([seq, start, tokens, flags]) * used
         offsets_dtype = (torch.int32, torch.int64)[trial % 2]
         table = scan._segment_table(offsets.to(offsets_dtype).to(ttx_tutorial.DEVICE), segment_len, T)
-        assert torch.equal(table.cpu().long(), expected), f"trial {trial}: {n_sequences} sequences, L={segment_len}"
+        where = f"trial {trial}: {n_sequences} sequences, L={segment_len}"
+        assert torch.equal(table[:4].cpu().long(), expected), where
+        assert int(table[4, 0]) == int(counts.sum()), f"{where}: the count of used segments"
 
 
 def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):

@@ -45,7 +45,8 @@ keeps its start states, B*H*NS*D*E float32 (with NORMALIZE, rows of E + 1 padded
 16, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
 from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
-and pass 2 restarts at each sequence's first walked segment from that sequence's S_0.
+and pass 2 restarts at each sequence's first walked segment from that sequence's S_0 and
+skips the table's unused tail.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
 about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
@@ -53,11 +54,11 @@ about float32's accuracy) for "highest", the default, TF32 for "high" and "mediu
 tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
 float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
-and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel`` and
-float32 "tf32x3" and "tf32" included). ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and
-``FEATURE_MAP``: interpreted, compiled for sm_80 and sm_90 with Triton 3.9, and on an H200 with
-Triton 3.6 the test files that cover them (``tests/test_scan_normalized.py`` among them) ran
-without a failure until a time limit stopped them at three quarters. With "elu" the kernels took
+and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel``,
+float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
+included). Pass 2's walk over the table's used segments only: the scan and packed-sequence test
+files on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
+its lengths within those the tests run. With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -348,7 +349,7 @@ def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, W), contiguous; W = _slot_width(E, NORMALIZE)
     initial_state_ptr,              # S_0 of the walk (B, H, D, W) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
-    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
     o_ptr,                          # NORMALIZER_GRADIENT: the normalised forward's output (B, H, T, E)
     denominator_ptr,                # NORMALIZER_GRADIENT: its d_t + eps (B, H, T) float32, contiguous
     T, H, D, E,
@@ -451,13 +452,27 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
     slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned. Packed
     (IS_VARLEN), the scan restarts at the first walked segment of each sequence, from that
-    sequence's S_0 (row ``seq`` of S_0).
+    sequence's S_0 (row ``seq`` of S_0), and walks only the table's used segments: the empty
+    rows after them (forward: the last walk positions; reverse: the first) keep no state, and
+    their pass-3 programs have no tokens to read one for.
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
-    entries, else 2048 a step (a larger tile spills registers in pass 1's main loop)."""
+    entries, else 2048 a step (a larger tile spills registers in pass 1's main loop). The loads
+    of a step do not wait on each other: with one S_0 for every sequence (zero strides, no
+    initial state given) the restart does not even read the sequence's row."""
     ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
     offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    first_walk = 0
+    first_offset = 0
+    end_walk = n_segments
+    first_segment = 0
+    if IS_VARLEN:
+        used = tl.load(segments_ptr + 4 * n_segments)
+        first_walk = tl.where(reverse != 0, n_segments - used, 0)
+        first_offset = first_walk.to(tl.int64) * D * state_width
+        end_walk = tl.where(reverse != 0, n_segments, used)
+        first_segment = tl.where(reverse != 0, used - 1, 0)
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
@@ -465,19 +480,23 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
         offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
         first_seq = 0
         if IS_VARLEN:
-            first_seq = tl.load(segments_ptr + tl.where(reverse != 0, n_segments - 1, 0))
+            first_seq = tl.load(segments_ptr + first_segment)
         b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-        slot_ptr = states_ptr  # a scalar that steps a slot at a time: fewer registers than a tile of pointers
+        # a scalar that steps a slot at a time: fewer registers than a tile of pointers
+        slot_ptr = states_ptr + first_offset
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
-        for walk in range(1, n_segments):
+        for walk in range(first_walk + 1, end_walk):
             slot_ptr += D * state_width
             # .cg reads from L2: other multiprocessors wrote these sums.
             b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
             if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
                 segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-                seq = tl.load(segments_ptr + segment)
                 starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
-                b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+                if stride_s0b == 0:  # one S_0 for every sequence
+                    b_s0 = tl.load(initial_state_ptr + offs_s0, mask=mask, other=0.0)
+                else:
+                    seq = tl.load(segments_ptr + segment)
+                    b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
                 b_carry = tl.where(starts_sequence, b_s0, b_carry)
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
@@ -487,7 +506,7 @@ def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
     final_state_ptr,                # float32 (B*H, D, W), contiguous (packed: one per sequence and head)
-    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
     denominator_ptr,                # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     segment_len, n_segments,
@@ -636,7 +655,7 @@ def scan_backward_kernel(
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
     ds0_ptr,                        # float32 (B*H, D, W), contiguous: dS_0, written by segment 0
                                     # (the states have W = E + 1 columns, z or dz last, with NORMALIZE)
-    segments_ptr,                   # IS_VARLEN: int32 (4, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     compute_dq,                     # 0: q needs no gradient; skip the forward walk (dq_ptr unused)
@@ -864,7 +883,7 @@ def scan_backward_kernel(
 @triton.jit
 def scan_segments_kernel(
     cu_seqlens_ptr,                 # (N + 1,) int32 or int64 offsets of the packed sequences
-    segments_ptr,                   # int32 (4, NS), written: the segment table (see _segment_table)
+    segments_ptr,                   # int32 (5, NS), written: the segment table (see _segment_table)
     n_sequences, n_segments, segment_len,
     BLOCK_S: tl.constexpr,          # segments per program
     BLOCK_N: tl.constexpr,          # sequences read per step
@@ -902,6 +921,8 @@ def scan_segments_kernel(
     tl.store(segments_ptr + n_segments + offs_s, tl.where(used, start, 0), mask=mask_s)
     tl.store(segments_ptr + 2 * n_segments + offs_s, tl.where(used, tokens, 0), mask=mask_s)
     tl.store(segments_ptr + 3 * n_segments + offs_s, tl.where(used, flags, 0), mask=mask_s)
+    if tl.program_id(0) == 0:  # every program counted every sequence's segments: one stores the total
+        tl.store(segments_ptr + 4 * n_segments, carry)
 
 
 # Host side: configuration, launches, autograd.
@@ -952,9 +973,12 @@ def check_config(config):
 
 #: Head dimensions the candidates are meant for.
 _TUNED_HEAD_DIMS = (64, 128)
-#: Pass-3 programs per multiprocessor the segment length aims for: several let one program's
-#: loads overlap another's products, and more than one wave evens out their finishing times.
-_PROGRAMS_PER_SM = 4
+#: Pass-3 programs per multiprocessor the segment length aims for: two let one program's loads
+#: overlap another's products; more add pass-2 steps and state traffic, and measured slower on
+#: an H200 (benchmarks/NOTES.md). Packed sequences aim for four: their last segments are
+#: partial, and more, shorter programs even out when the programs finish.
+_PROGRAMS_PER_SM = 2
+_PACKED_PROGRAMS_PER_SM = 4
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
 _NOMINAL_LIMITS = (132, 232448)
 
@@ -1022,33 +1046,36 @@ def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
 
 
-def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors, packed=False):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
     Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
-    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
-    that equal segments split the sequence evenly. Traffic: each segment moves its float32 state
+    multiprocessor (_PACKED_PROGRAMS_PER_SM for ``packed`` sequences, T their total): T / NS
+    tokens rounded to the nearest power of two (at least one chunk), so that equal segments
+    split the sequence evenly. Traffic: each segment moves its float32 state
     (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
     and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK. Where the
     two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
     """
-    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors, max(1, batch_heads * e_blocks))
+    programs_per_sm = _PACKED_PROGRAMS_PER_SM if packed else _PROGRAMS_PER_SM
+    wanted_segments = triton.cdiv(programs_per_sm * multiprocessors, max(1, batch_heads * e_blocks))
     parallel_length = max(chunk, 2 ** round(math.log2(max(1.0, T / wanted_segments))))
     traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
     traffic_length = triton.cdiv(traffic_length, chunk) * chunk
     return max(parallel_length, traffic_length)
 
 
-def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3"):
+def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3", packed=False):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
     ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors, with
     ``FLOAT32_PRECISION``, the kernels' product precision (``float32_precision`` for float32
-    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly)."""
-    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision))
+    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly). ``packed``: T
+    tokens in B = 1 row of packed sequences."""
+    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision, packed))
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
-def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision):
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision, packed=False):
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
@@ -1056,7 +1083,7 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
-                                 dtype.itemsize, multiprocessors)
+                                 dtype.itemsize, multiprocessors, packed)
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
@@ -1070,13 +1097,13 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     return resolved
 
 
-def _resolve_config(q, v, config):
+def _resolve_config(q, v, config, packed=False):
     """The launch configuration for these inputs: the rule, then the caller's keys; float32
-    products at the precision PyTorch's setting asks for now."""
+    products at the precision PyTorch's setting asks for now. ``packed``: q holds packed sequences."""
     B, H, T, D = q.shape
     overrides = tuple(sorted((config or {}).items()))
     return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides,
-                            float32_precision())
+                            float32_precision(), packed)
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
@@ -1150,15 +1177,16 @@ _TABLE_BLOCK_S, _TABLE_BLOCK_N = 128, 64
 
 
 def _segment_table(cu_seqlens, segment_len, T):
-    """The segments of packed sequences, int32 (4, NS): per segment its sequence, first token,
-    token count and flags (1: first segment of its sequence, 2: its last). Each sequence is cut
-    into segments of ``segment_len`` tokens from its own first token (an empty one gets one empty
-    segment, which carries S_0 to S_T), so no segment or chunk straddles a boundary. One launch
-    (``scan_segments_kernel``), without reading the offsets back: NS = T // L + N bounds the
-    count, and the unused tail is empty segments (sequence 0, no tokens, no flags)."""
+    """The segments of packed sequences, int32 (5, NS): per segment its sequence, first token,
+    token count and flags (1: first segment of its sequence, 2: its last), and in row 4's first
+    element the count of segments used. Each sequence is cut into segments of ``segment_len``
+    tokens from its own first token (an empty one gets one empty segment, which carries S_0 to
+    S_T), so no segment or chunk straddles a boundary. One launch (``scan_segments_kernel``),
+    without reading the offsets back: NS = T // L + N bounds the count, and the unused tail is
+    empty segments (sequence 0, no tokens, no flags), which pass 2 skips."""
     n_sequences = cu_seqlens.shape[0] - 1
     n_segments = T // segment_len + n_sequences
-    table = torch.empty(4, n_segments, dtype=torch.int32, device=cu_seqlens.device)
+    table = torch.empty(5, n_segments, dtype=torch.int32, device=cu_seqlens.device)
     with _launch_guard():
         scan_segments_kernel[(triton.cdiv(n_segments, _TABLE_BLOCK_S),)](
             cu_seqlens, table, n_sequences, n_segments, segment_len,
@@ -1256,7 +1284,7 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
         else:
             final_state.copy_(initial_state)
         return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
-    resolved = _resolve_config(q, v, config)
+    resolved = _resolve_config(q, v, config, packed=cu_seqlens is not None)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
