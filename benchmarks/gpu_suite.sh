@@ -24,7 +24,9 @@
 #
 # With no step named: tests size fuzz compile notebooks bench check. On a 16-core H200 machine
 # with a cold Triton cache the tests took more than 320 s with 13 workers, the notebooks 193 s
-# with 4; two invocations may run side by side (different steps write different logs). fla's
+# with 4; two invocations may run side by side (different steps write different logs), though
+# the tests can then hold most of the GPU's memory while notebook 03's live timings allocate the
+# quadratic reference's 8 GiB of scores, which can then run out of memory. fla's
 # first calls autotune for minutes, so steps that time fla come last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
