@@ -259,30 +259,46 @@ def test_gpu_packed_batch_at_realistic_size(method):
 def test_scan_segment_table_matches_a_torch_construction():
     """``scan_segments_kernel`` (one launch, no read back) against the same table built with
     searchsorted: more sequences than one step of the kernel reads, more segments than one
-    program writes, empty sequences, segment lengths from 1 token on."""
+    program writes, empty sequences (in front, between, at the end), segment lengths from 1
+    token on."""
     generator = torch.Generator().manual_seed(7)
-    for trial in range(6):
+    for trial in range(8):
         n_sequences = int(torch.randint(1, 150, (), generator=generator))
         lengths = torch.randint(0, 100, (n_sequences,), generator=generator)
         lengths[torch.rand(n_sequences, generator=generator) < 0.2] = 0
+        lengths[0] = 0 if trial % 3 == 0 else lengths[0]
+        lengths[-1] = 0 if trial % 4 == 1 else lengths[-1]
+        if int(lengths.sum()) == 0:
+            lengths[n_sequences // 2] = 1
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         segment_len, T = int(torch.randint(1, 70, (), generator=generator)), int(offsets[-1])
-        counts = torch.clamp((lengths + segment_len - 1) // segment_len, min=1)
-        ends = counts.cumsum(0)
-        index = torch.arange(T // segment_len + n_sequences)
-        seq = torch.searchsorted(ends, index, right=True)
-        used = seq < n_sequences
-        seq = seq.clamp(max=n_sequences - 1)
-        position = index - (ends - counts)[seq]
-        start = offsets[seq] + position * segment_len
-        tokens = torch.clamp(offsets[seq + 1] - start, max=segment_len)
-        flags = (position == 0).long() + 2 * (position == counts[seq] - 1).long()
-        expected = torch.stack([seq, start, tokens, flags]) * used
+        segment_first = torch.arange(-(-T // segment_len)) * segment_len
+        ends = offsets[1:]
+        first = torch.searchsorted(ends, segment_first, right=True)
+        first[0] = 0
+        ended_within = torch.searchsorted(ends, segment_first + segment_len, right=True)
+        goes_on = (ended_within < n_sequences) & (offsets[ended_within] < segment_first + segment_len)
+        last = torch.where(goes_on, ended_within, ended_within - 1)
+        flags = ((offsets[first] >= segment_first).long() + 2 * (~goes_on).long()
+                 + 4 * (offsets[first] >= segment_first - segment_len).long()
+                 + 8 * (offsets[last + 1] <= segment_first + 2 * segment_len).long())
+        expected = torch.cat([first, last, flags, offsets])
         offsets_dtype = (torch.int32, torch.int64)[trial % 2]
         table = scan._segment_table(offsets.to(offsets_dtype).to(ttx_tutorial.DEVICE), segment_len, T)
         where = f"trial {trial}: {n_sequences} sequences, L={segment_len}"
-        assert torch.equal(table[:4].cpu().long(), expected), where
-        assert int(table[4, 0]) == int(counts.sum()), f"{where}: the count of used segments"
+        assert torch.equal(table.cpu().long(), expected), where
+        # every token in exactly one piece: the pieces of each segment tile it
+        for s, (a, b) in enumerate(zip(first.tolist(), last.tolist())):
+            pieces = [(max(int(offsets[j]), int(segment_first[s])),
+                       min(int(offsets[j + 1]), int(segment_first[s]) + segment_len)) for j in range(a, b + 1)]
+            covered = sum(max(e - f, 0) for f, e in pieces)
+            assert covered == min(segment_len, T - int(segment_first[s])), f"{where}: segment {s}"
+        # every sequence ends in exactly one segment
+        ending = torch.zeros(n_sequences, dtype=torch.long)
+        for s, (a, b) in enumerate(zip(first.tolist(), last.tolist())):
+            ending[a:b] += 1
+            ending[b] += (int(flags[s]) >> 1) & 1
+        assert torch.equal(ending, torch.ones(n_sequences, dtype=torch.long)), where
 
 
 def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):

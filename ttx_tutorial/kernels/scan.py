@@ -43,10 +43,15 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 inside one (batch, head) slice are int32: its last element must sit at an offset below 2**31. The forward
 keeps its start states, B*H*NS*D*E float32 (with NORMALIZE, rows of E + 1 padded to a multiple of
 16, and d + eps, B*H*T), for the backward. Packed (``IS_VARLEN``, ``cu_seqlens``
-of N + 1 offsets, a batch of one, states (N, H, D, E)): each sequence is cut into its own segments
-from its first token, listed in a table built on the device (``scan_segments_kernel``, no read back),
-and pass 2 restarts at each sequence's first walked segment from that sequence's S_0 and
-skips the table's unused tail.
+of N + 1 offsets, a batch of one, states (N, H, D, E)): the row is cut into the segments of one
+sequence of total_T tokens, boundaries or not, so packing changes neither the programs nor their
+lengths. A segment holds pieces, the parts of the sequences that lie in it; its programs walk
+them one after another, each from its sequence's S_0 unless it goes on from the segment before,
+with chunks counted from the piece's first token (no chunk straddles a boundary), and store
+S_T for each sequence that ends in it. A table built on the device (``scan_segments_kernel``,
+no read back) names each segment's first and last piece; pass 1 sums only the last piece,
+the one that goes on, and pass 2 is a segmented scan that restarts where no sequence spans the
+whole segment before.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
 about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
@@ -56,8 +61,8 @@ float16 keeps them in float32 (TF32 products).
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel``,
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
-included). Pass 2's walk over the table's used segments only: the scan and packed-sequence test
-files on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
+included). Packed segments that straddle boundaries: the scan and packed-sequence test files
+on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
 its lengths within those the tests run. With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
@@ -145,22 +150,47 @@ def _through_features(b_grad, b_phi, FEATURE_MAP: tl.constexpr):
 
 
 @triton.jit
-def _segment_after_loop(segments_ptr, pid, e_blocks, n_segments, H, T, segment_len, reverse, IS_VARLEN: tl.constexpr):
+def _segment_after_loop(pid, e_blocks, n_segments, H, T, segment_len, reverse):
     """(b, h, walk, first token, tokens, value block) of program ``pid`` (int64) for a walk after
-    the chunk loop, derived again from the program id and the arguments as the kernels' openings
-    do, so that no value computed before the loop stays live through it: such values cost the
-    loop registers."""
+    the chunk loop, one sequence a batch row, derived again from the program id and the
+    arguments as the kernels' openings do, so that no value computed before the loop stays live
+    through it: such values cost the loop registers."""
     e_block = pid % e_blocks
     walk = (pid // e_blocks) % n_segments
     bh = pid // (e_blocks * n_segments)
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    if IS_VARLEN:
-        first = tl.load(segments_ptr + n_segments + segment).to(tl.int64)
-        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
-    else:
-        first = segment * segment_len
-        tokens = tl.minimum(segment_len, T - first).to(tl.int32)
+    first = segment * segment_len
+    tokens = tl.minimum(segment_len, T - first).to(tl.int32)
     return bh // H, bh % H, walk, first, tokens, e_block
+
+
+@triton.jit
+def _segment_pieces(segments_ptr, segment, n_segments, reverse):
+    """Packed sequences: (the sequence of the segment's first walked piece, its count of pieces,
+    its flags) from the segment table (see ``_segment_table``). A piece is the part of one
+    sequence that lies in the segment; the pieces are sequences first..last, walked in
+    order, or last first when ``reverse``."""
+    first = tl.load(segments_ptr + segment)
+    last = tl.load(segments_ptr + n_segments + segment)
+    flags = tl.load(segments_ptr + 2 * n_segments + segment)
+    return tl.where(reverse != 0, last, first), last - first + 1, flags
+
+
+@triton.jit
+def _piece(segments_ptr, walk_first, piece, n_pieces, flags, segment, n_segments, segment_len, T, reverse):
+    """Piece number ``piece`` of a segment in walk order: (its sequence, its first token, its
+    token count, whether it starts its sequence's walk here (so it starts from that sequence's
+    S_0, or G when ``reverse``), whether it ends its sequence's walk here (so its last state is
+    the sequence's S_T, or dS_0)). Only the segment's first walked piece can have begun in
+    the segment before, and only its last walked one can go on into the next."""
+    seq = walk_first + tl.where(reverse != 0, -piece, piece)
+    offsets_ptr = segments_ptr + 3 * n_segments
+    segment_first = segment * segment_len
+    first = tl.maximum(tl.load(offsets_ptr + seq), segment_first)
+    end = tl.minimum(tl.load(offsets_ptr + seq + 1), tl.minimum(segment_first + segment_len, T))
+    starts = (piece > 0) | ((flags & (1 + reverse)) != 0)
+    ends = (piece < n_pieces - 1) | ((flags & (2 - reverse)) != 0)
+    return seq, first, tl.maximum(end - first, 0), starts, ends
 
 
 @triton.jit
@@ -349,7 +379,7 @@ def scan_summaries_kernel(
     k_ptr, v_ptr, states_ptr,       # states: float32 (B*H, NS, D, W), contiguous; W = _slot_width(E, NORMALIZE)
     initial_state_ptr,              # S_0 of the walk (B, H, D, W) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
-    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 segment table (see _segment_table)
     o_ptr,                          # NORMALIZER_GRADIENT: the normalised forward's output (B, H, T, E)
     denominator_ptr,                # NORMALIZER_GRADIENT: its d_t + eps (B, H, T) float32, contiguous
     T, H, D, E,
@@ -385,9 +415,11 @@ def scan_summaries_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    if IS_VARLEN:
-        segment_start = tl.load(segments_ptr + n_segments + segment)
-        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
+    if IS_VARLEN:  # only the last walked piece carries on into the next segment, if it does not end here
+        walk_first, n_pieces, flags = _segment_pieces(segments_ptr, segment, n_segments, reverse)
+        _, segment_start, tokens, _, ends = _piece(segments_ptr, walk_first, n_pieces - 1, n_pieces, flags,
+                                                   segment, n_segments, segment_len, T, reverse)
+        tokens = tl.where(ends, 0, tokens)
     else:
         segment_start = segment * segment_len
         tokens = tl.minimum(segment_len, T - segment_start)
@@ -450,11 +482,12 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
                        D, E, state_width, n_segments, reverse, e_block, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
-    slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned. Packed
-    (IS_VARLEN), the scan restarts at the first walked segment of each sequence, from that
-    sequence's S_0 (row ``seq`` of S_0), and walks only the table's used segments: the empty
-    rows after them (forward: the last walk positions; reverse: the first) keep no state, and
-    their pass-3 programs have no tokens to read one for.
+    slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned.
+
+    Packed (IS_VARLEN), a segmented scan: slot w + 1 holds the sum of the previous walked
+    segment's last piece only, and where no sequence spans that whole segment (the table's
+    restart flag) the walk restarts from the S_0 of segment w's first walked sequence (row
+    ``seq`` of S_0) before adding it.
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
@@ -463,50 +496,65 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
     initial state given) the restart does not even read the sequence's row."""
     ROWS: tl.constexpr = BLOCK_D if BLOCK_D * BLOCK_E <= 4096 else 2048 // BLOCK_E
     offs_e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
-    first_walk = 0
-    first_offset = 0
-    end_walk = n_segments
-    first_segment = 0
-    if IS_VARLEN:
-        used = tl.load(segments_ptr + 4 * n_segments)
-        first_walk = tl.where(reverse != 0, n_segments - used, 0)
-        first_offset = first_walk.to(tl.int64) * D * state_width
-        end_walk = tl.where(reverse != 0, n_segments, used)
-        first_segment = tl.where(reverse != 0, used - 1, 0)
     for first_row in range(0, D, ROWS):
         offs_d = first_row + tl.arange(0, ROWS)
         mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
         offs_state = offs_d[:, None] * state_width + offs_e[None, :]
         offs_s0 = offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e
         first_seq = 0
-        if IS_VARLEN:
-            first_seq = tl.load(segments_ptr + first_segment)
+        if IS_VARLEN:  # forward: sequence 0; reverse: the last one
+            first_seq = tl.load(segments_ptr + tl.where(reverse != 0, 2 * n_segments - 1, 0))
         b_carry = tl.load(initial_state_ptr + first_seq * stride_s0b + offs_s0, mask=mask, other=0.0)
         # a scalar that steps a slot at a time: fewer registers than a tile of pointers
-        slot_ptr = states_ptr + first_offset
+        slot_ptr = states_ptr
         tl.store(slot_ptr + offs_state, b_carry, mask=mask)
-        for walk in range(first_walk + 1, end_walk):
+        for walk in range(1, n_segments):
             slot_ptr += D * state_width
             # .cg reads from L2: other multiprocessors wrote these sums.
-            b_carry += tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
-            if IS_VARLEN:  # a sequence's first walked segment starts from its own S_0, not the carry
+            b_sum = tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
+            if IS_VARLEN:  # the segmented combine: restart where no sequence spans the segment before
                 segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-                starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & (1 + reverse)) != 0
-                if stride_s0b == 0:  # one S_0 for every sequence
-                    b_s0 = tl.load(initial_state_ptr + offs_s0, mask=mask, other=0.0)
-                else:
-                    seq = tl.load(segments_ptr + segment)
-                    b_s0 = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
-                b_carry = tl.where(starts_sequence, b_s0, b_carry)
+                if (tl.load(segments_ptr + 2 * n_segments + segment) & (4 + 4 * reverse)) != 0:
+                    if stride_s0b == 0:  # one S_0 for every sequence
+                        b_carry = tl.load(initial_state_ptr + offs_s0, mask=mask, other=0.0)
+                    else:  # the S_0 of the segment's first walked sequence
+                        seq = tl.load(segments_ptr + reverse * n_segments + segment)
+                        b_carry = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+            b_carry += b_sum
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
+
+
+@triton.jit
+def _start_state(start_ptr, stride_sd, stride_se, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE: tl.constexpr):
+    """A walk's float32 start state (D x BLOCK_E) and, with NORMALIZE, z from its column E."""
+    b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    b_z = tl.zeros([offs_d.shape[0]], dtype=tl.float32)
+    if NORMALIZE:
+        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
+    return b_state, b_z
+
+
+@triton.jit
+def _transposed_start_state(start_ptr, stride_sd, stride_se, offs_d, offs_e, mask_d, mask_e, E,
+                            NORMALIZE: tl.constexpr):
+    """A walk's float32 start state seen transposed, P = S^T (BLOCK_E x BLOCK_D), and with
+    NORMALIZE z (BLOCK_D) from column E of S."""
+    b_p = tl.load(start_ptr + offs_e[:, None] * stride_se + offs_d[None, :] * stride_sd,
+                  mask=mask_e[:, None] & mask_d[None, :], other=0.0)
+    b_z = tl.zeros([offs_d.shape[0]], dtype=tl.float32)
+    if NORMALIZE:
+        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
+    return b_p, b_z
 
 
 @triton.jit
 def scan_outputs_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     start_ptr,                      # float32 start states, element (b, h, walk, d, e) via strides
+    initial_state_ptr,              # IS_VARLEN: the walk's S_0 (G when reverse), element (seq, h, d, e) via strides
     final_state_ptr,                # float32 (B*H, D, W), contiguous (packed: one per sequence and head)
-    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 segment table (see _segment_table)
     denominator_ptr,                # NORMALIZE: d_t + eps (B, H, T) float32, contiguous, written
     T, H, D, E,
     segment_len, n_segments,
@@ -517,6 +565,7 @@ def scan_outputs_kernel(
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_sb, stride_sh, stride_sw, stride_sd, stride_se,
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -527,7 +576,10 @@ def scan_outputs_kernel(
                                     # of W = E + 1 columns, z (the keys' sum) in column E
     FEATURE_MAP: tl.constexpr,      # NORMALIZE: q and k are mapped by "elu" or "relu" as loaded, or "identity"
 ):
-    """Pass 3: the chunked causal product of one segment from its start state."""
+    """Pass 3: the chunked causal product of one segment from its start state. Packed, of each
+    piece of the segment in walk order: the first from the start state unless it starts its
+    sequence here, every other from its sequence's S_0; a piece that ends its sequence here
+    stores that sequence's S_T."""
     # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
     q_arg, k_arg, v_arg, o_arg, start_arg = q_ptr, k_ptr, v_ptr, o_ptr, start_ptr
     STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
@@ -547,18 +599,9 @@ def scan_outputs_kernel(
     b = bh // H
     h = bh % H
     segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
-    if IS_VARLEN:  # the table's segment: its sequence, first token, length; it ends S_T if last walked
-        seq = tl.load(segments_ptr + segment)
-        segment_start = tl.load(segments_ptr + n_segments + segment)
-        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
-        ends_walk = (tl.load(segments_ptr + 3 * n_segments + segment) & (2 - reverse)) != 0
-        final_row = seq * H + h
-    else:
-        segment_start = segment * segment_len
-        tokens = tl.minimum(segment_len, T - segment_start)
-        ends_walk = walk == n_segments - 1
-        final_row = bh
-    n_chunks = (tokens + CHUNK - 1) // CHUNK
+    n_pieces = 1  # one sequence a batch row: the segment is one piece (a loop of one pass, unrolled)
+    if IS_VARLEN:
+        walk_first, n_pieces, flags = _segment_pieces(segments_ptr, segment, n_segments, reverse)
 
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -567,82 +610,124 @@ def scan_outputs_kernel(
     mask_e = offs_e < E
     mask_de = mask_d[:, None] & mask_e[None, :]
     causal = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
 
-    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
-    q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
-    k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
-    v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
-    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
-    start_ptr += b64 * stride_sb + h64 * stride_sh + walk.to(tl.int64) * stride_sw
-    b_state = tl.load(start_ptr + offs_d[:, None] * stride_sd + offs_e[None, :] * stride_se,
-                      mask=mask_de, other=0.0)
-    # NORMALIZE: z, the sum of the keys so far, carried next to the state. It needs no v, so every
-    # value block's program carries it; d_t + eps and z are stored by the first block's.
-    b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if NORMALIZE:
-        b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
-    denominator_ptr += (b64 * H + h64) * T + start64
-    stored_tokens = tl.where(e_block == 0, tokens, 0)
+    for piece in range(0, n_pieces):
+        if IS_VARLEN:  # the piece: its sequence, first token, length
+            seq, piece_start, tokens, starts, _ends = _piece(
+                segments_ptr, walk_first, piece, n_pieces, flags, segment, n_segments, segment_len, T, reverse)
+        else:
+            piece_start = segment * segment_len
+            tokens = tl.minimum(segment_len, T - piece_start)
+        n_chunks = (tokens + CHUNK - 1) // CHUNK
+        start64 = piece_start.to(tl.int64)
+        q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+        k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+        v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+        o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+        # NORMALIZE: z, the sum of the keys so far, carried next to the state. It needs no v, so every
+        # value block's program carries it; d_t + eps and z are stored by the first block's.
+        slot_ptr = start_ptr + b64 * stride_sb + h64 * stride_sh + walk.to(tl.int64) * stride_sw
+        if IS_VARLEN:
+            if starts:
+                b_state, b_z = _start_state(initial_state_ptr + seq * stride_s0b + h64 * stride_s0h, stride_s0d,
+                                            stride_s0e, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)
+            else:
+                b_state, b_z = _start_state(slot_ptr, stride_sd, stride_se, offs_d, offs_e, mask_d, mask_e, E,
+                                            NORMALIZE)
+        else:
+            b_state, b_z = _start_state(slot_ptr, stride_sd, stride_se, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)
+        denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
+        stored_tokens = tl.where(e_block == 0, tokens, 0)
 
-    # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
-    # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
-    # a program that saw one redoes its segment one token at a time after the loop.
-    b_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    for i in range(0, n_chunks):
-        chunk_start = tl.where(reverse != 0, n_chunks - 1 - i, i) * CHUNK
-        offs_t = chunk_start + offs_c
-        mask_t = offs_t < tokens
-        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
-                      mask=mask_t[:, None] & mask_e[None, :], other=0.0)
-        # phi(k) is 0 past the tokens and D, so the state, z and the scores never see phi(q) there
-        # (and rows past the tokens are not stored): q's padding needs no mask.
-        b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
-        b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
+        # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
+        # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
+        # a program that saw one redoes its piece one token at a time after the loop.
+        b_seen = tl.zeros([CHUNK], dtype=tl.float32)
+        for i in range(0, n_chunks):
+            chunk_start = tl.where(reverse != 0, n_chunks - 1 - i, i) * CHUNK
+            offs_t = chunk_start + offs_c
+            mask_t = offs_t < tokens
+            b_q = tl.load(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+            b_k = tl.load(k_base + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+            b_v = tl.load(v_base + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                          mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+            # phi(k) is 0 past the tokens and D, so the state, z and the scores never see phi(q) there
+            # (and rows past the tokens are not stored): q's padding needs no mask.
+            b_q = _features(b_q, True, FEATURE_MAP, INTERPRETED)
+            b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
 
-        b_kt = tl.trans(b_k).to(DOT_DTYPE)
-        b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
-        b_scores = tl.where(causal, b_scores, 0.0)
-        b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
-                     _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                     input_precision=FLOAT32_PRECISION)
-        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                     b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
-        b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
-        b_seen += tl.sum(b_o * 0.0, 1)
-        if NORMALIZE:
-            # d_t = rowsum of the unrounded masked scores + q_t . z_{c-1}, in float32; masked with
-            # tl.where, so an inf or NaN of a later key reaches no earlier denominator.
-            b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
-            tl.store(denominator_ptr + offs_t, b_denominator, mask=offs_t < stored_tokens)
-            b_o = b_o / b_denominator[:, None]
-            b_z += tl.sum(b_k.to(tl.float32), 0)
-        tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
-                 _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
-                 mask=mask_t[:, None] & mask_e[None, :])
+            b_kt = tl.trans(b_k).to(DOT_DTYPE)
+            b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
+            b_scores = tl.where(causal, b_scores, 0.0)
+            b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                         _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                         input_precision=FLOAT32_PRECISION)
+            b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                         b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
+            b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+            b_seen += tl.sum(b_o * 0.0, 1)
+            if NORMALIZE:
+                # d_t = rowsum of the unrounded masked scores + q_t . z_{c-1}, in float32; masked with
+                # tl.where, so an inf or NaN of a later key reaches no earlier denominator.
+                b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
+                tl.store(denominator_base + offs_t, b_denominator, mask=offs_t < stored_tokens)
+                b_o = b_o / b_denominator[:, None]
+                b_z += tl.sum(b_k.to(tl.float32), 0)
+            tl.store(o_base + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                     _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
+                     mask=mask_t[:, None] & mask_e[None, :])
 
-    if ends_walk:  # the last walked segment (of its sequence) ends on S_T
-        state_width = E + STATE_WIDTH_EXTRA
-        final_state_ptr += final_row.to(tl.int64) * D * state_width
-        tl.store(final_state_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_state, mask=mask_de)
-        if NORMALIZE:
-            tl.store(final_state_ptr + offs_d * state_width + E, b_z, mask=offs_d < tl.where(e_block == 0, D, 0))
+        # what the store and a redo need, derived again rather than kept live through the loop
+        if IS_VARLEN:
+            seq, piece_start, tokens, starts, ends_walk = _piece(
+                segments_ptr, walk_first, piece, n_pieces, flags, segment, n_segments, segment_len, T, reverse)
+            final_row = seq * H + h
+        else:
+            ends_walk = walk == n_segments - 1
+            final_row = bh
+        if ends_walk:  # the last walked segment (of its sequence) ends on S_T
+            state_width = E + STATE_WIDTH_EXTRA
+            final_base = final_state_ptr + final_row.to(tl.int64) * D * state_width
+            tl.store(final_base + offs_d[:, None] * state_width + offs_e[None, :], b_state, mask=mask_de)
+            if NORMALIZE:
+                tl.store(final_base + offs_d * state_width + E, b_z, mask=offs_d < tl.where(e_block == 0, D, 0))
 
-    if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the segment's outputs causally
-        redo_b, redo_h, redo_walk, redo_first, redo_tokens, redo_e_block = _segment_after_loop(
-            segments_ptr, tl.program_id(0).to(tl.int64), (E + BLOCK_E - 1) // BLOCK_E, n_segments, H, T, segment_len,
-            reverse, IS_VARLEN)
-        _outputs_token_by_token(q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
-                                k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
-                                v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
-                                o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
-                                start_arg + redo_b * stride_sb + redo_h * stride_sh + redo_walk * stride_sw,
-                                redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd,
-                                stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
-                                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+        if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the piece's outputs causally
+            if IS_VARLEN:
+                start64 = piece_start.to(tl.int64)
+                q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+                k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+                v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+                o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+                if starts:
+                    _outputs_token_by_token(
+                        q_base, k_base, v_base, o_base, initial_state_ptr + seq * stride_s0b + h64 * stride_s0h,
+                        tokens, reverse, e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd, stride_kt, stride_kd,
+                        stride_vt, stride_ve, stride_ot, stride_oe, stride_s0d, stride_s0e,
+                        BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+                else:
+                    _outputs_token_by_token(
+                        q_base, k_base, v_base, o_base,
+                        start_ptr + b64 * stride_sb + h64 * stride_sh + walk.to(tl.int64) * stride_sw,
+                        tokens, reverse, e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd, stride_kt, stride_kd,
+                        stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
+                        BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+            else:
+                redo_b, redo_h, redo_walk, redo_first, redo_tokens, redo_e_block = _segment_after_loop(
+                    tl.program_id(0).to(tl.int64), (E + BLOCK_E - 1) // BLOCK_E, n_segments, H, T, segment_len,
+                    reverse)
+                _outputs_token_by_token(
+                    q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
+                    k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                    v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+                    o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                    start_arg + redo_b * stride_sb + redo_h * stride_sh + redo_walk * stride_sw,
+                    redo_tokens, reverse, redo_e_block * BLOCK_E, D, E, eps, stride_qt, stride_qd,
+                    stride_kt, stride_kd, stride_vt, stride_ve, stride_ot, stride_oe, stride_sd, stride_se,
+                    BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
@@ -653,9 +738,11 @@ def scan_backward_kernel(
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
     suffix_start_ptr,               # float32 R each segment's reverse walk starts from (walk = NS-1-segment)
+    initial_state_ptr,              # IS_VARLEN: float32 S_0, element (seq, h, d, e) via strides
+    grad_final_ptr,                 # IS_VARLEN: float32 G, the gradient of S_T, likewise
     ds0_ptr,                        # float32 (B*H, D, W), contiguous: dS_0, written by segment 0
                                     # (the states have W = E + 1 columns, z or dz last, with NORMALIZE)
-    segments_ptr,                   # IS_VARLEN: int32 (5, NS) segment table (see _segment_table)
+    segments_ptr,                   # IS_VARLEN: int32 segment table (see _segment_table)
     T, H, D, E,
     segment_len, n_segments,
     compute_dq,                     # 0: q needs no gradient; skip the forward walk (dq_ptr unused)
@@ -669,6 +756,8 @@ def scan_backward_kernel(
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
     stride_fb, stride_fh, stride_fw, stride_fd, stride_fe,
     stride_rb, stride_rh, stride_rw, stride_rd, stride_re,
+    stride_s0b, stride_s0h, stride_s0d, stride_s0e,
+    stride_gb, stride_gh, stride_gd, stride_ge,
     BLOCK_D: tl.constexpr,          # >= D
     BLOCK_E: tl.constexpr,          # >= E: dK sums over every value column, so one program owns them all
     CHUNK: tl.constexpr,
@@ -684,7 +773,10 @@ def scan_backward_kernel(
     segments of Q^T dO (D x E), with U the upper triangle,
         dV_c = ((K_c Q_c^T) * U) dO_c + K_c R,   dK_c = ((V_c dO_c^T) * U) Q_c + V_c R^T,
         R <- R + Q_c^T dO_c,
-    and the program of the first segment (of its sequence, when packed) stores the final R, dS_0.
+    and the program of the first segment stores the final R, dS_0. Packed, both walks go piece
+    by piece as in scan_outputs_kernel: a piece that starts its sequence's forward walk starts
+    from its S_0, one that starts its reverse walk from its G, and one that ends the reverse walk
+    stores its dS_0.
     NORMALIZE, out_t = n_t / (d_t + eps) with d_t = q_t . z_t: the numerator's gradient is
     g_t = dO_t / (d_t + eps), the denominator's r_t = -(g_t . out_t); d_t is a causal product of
     q and k with values 1, so both walks run the above on g with a column of r beside it: r_t
@@ -709,220 +801,322 @@ def scan_backward_kernel(
     bh = pid // n_segments
     b = bh // H
     h = bh % H
-    if IS_VARLEN:  # as in scan_outputs_kernel
-        seq = tl.load(segments_ptr + segment)
-        segment_start = tl.load(segments_ptr + n_segments + segment)
-        tokens = tl.load(segments_ptr + 2 * n_segments + segment)
-        starts_sequence = (tl.load(segments_ptr + 3 * n_segments + segment) & 1) != 0
-        ds0_row = seq * H + h
-    else:
-        segment_start = segment * segment_len
-        tokens = tl.minimum(segment_len, T - segment_start)
-        starts_sequence = segment == 0
-        ds0_row = bh
-    n_chunks = (tokens + CHUNK - 1) // CHUNK
+    forward_pieces = 1  # one sequence a batch row: the segment is one piece (loops of one pass, unrolled)
+    reverse_pieces = 1
+    if IS_VARLEN:
+        forward_first, forward_pieces, flags = _segment_pieces(segments_ptr, segment, n_segments, 0)
+        reverse_first, reverse_pieces, _flags = _segment_pieces(segments_ptr, segment, n_segments, 1)
 
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
     mask_d = offs_d < D
     mask_e = offs_e < E
-    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
-    q_ptr += b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
-    k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
-    v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
-    do_ptr += b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
-    dq_ptr += b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
-    dk_ptr += b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
-    dv_ptr += b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
-    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
-    denominator_ptr += (b64 * H + h64) * T + start64
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
     # As in scan_outputs_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose
     # tiles held an inf or NaN is redone one token at a time after the loops.
     if compute_dq:
-        forward_start_ptr += b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
-        b_p = tl.load(forward_start_ptr + offs_e[:, None] * stride_fe + offs_d[None, :] * stride_fd,
-                      mask=mask_e[:, None] & mask_d[None, :], other=0.0)             # [E, D]
-        b_z = tl.zeros([BLOCK_D], dtype=tl.float32)
-        if NORMALIZE:
-            b_z = tl.load(forward_start_ptr + offs_d * stride_fd + E * stride_fe, mask=mask_d, other=0.0)
         lower = offs_c[:, None] >= offs_c[None, :]
-        b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
+        for piece in range(0, forward_pieces):
+            if IS_VARLEN:
+                seq, piece_start, tokens, starts, _ends = _piece(segments_ptr, forward_first, piece, forward_pieces,
+                                                                 flags, segment, n_segments, segment_len, T, 0)
+            else:
+                piece_start = segment * segment_len
+                tokens = tl.minimum(segment_len, T - piece_start)
+            n_chunks = (tokens + CHUNK - 1) // CHUNK
+            start64 = piece_start.to(tl.int64)
+            q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+            k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+            v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+            do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
+            dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
+            o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+            denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
+            # P = S^T, E x D, and z from column E of S
+            forward_start = forward_start_ptr + b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
+            if IS_VARLEN:
+                if starts:
+                    b_p, b_z = _transposed_start_state(initial_state_ptr + seq * stride_s0b + h64 * stride_s0h,
+                                                       stride_s0d, stride_s0e, offs_d, offs_e, mask_d, mask_e, E,
+                                                       NORMALIZE)
+                else:
+                    b_p, b_z = _transposed_start_state(forward_start, stride_fd, stride_fe, offs_d, offs_e, mask_d,
+                                                       mask_e, E, NORMALIZE)
+            else:
+                b_p, b_z = _transposed_start_state(forward_start, stride_fd, stride_fe, offs_d, offs_e, mask_d, mask_e,
+                                                   E, NORMALIZE)
+            b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
+            for i in range(0, n_chunks):
+                offs_t = i * CHUNK + offs_c
+                mask_t = offs_t < tokens
+                mask_td = mask_t[:, None] & mask_d[None, :]
+                b_do = tl.load(do_base + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe,
+                               mask=mask_t[:, None] & mask_e[None, :], other=0.0)        # [C, E]
+                b_v = tl.load(v_base + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                              mask=mask_t[:, None] & mask_e[None, :], other=0.0)         # [C, E]
+                b_k = tl.load(k_base + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                              mask=mask_td, other=0.0)                                   # [C, D]
+                b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
+                if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
+                    b_do, b_grad_denominator = _normalizer_gradients(
+                        b_do, o_base, denominator_base, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                        MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                    b_vt = tl.trans(b_v).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
+                    b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION) + b_grad_denominator[:, None]
+                else:
+                    b_vt = tl.trans(b_v).to(DOT_DTYPE)
+                    b_scores = tl.dot(b_do.to(DOT_DTYPE), b_vt, input_precision=FLOAT32_PRECISION)
+                b_scores = tl.where(lower, b_scores, 0.0)
+                b_dq = tl.dot(b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                              _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                              input_precision=FLOAT32_PRECISION)
+                b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                              b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
+                if NORMALIZE:
+                    b_dq += b_grad_denominator[:, None] * b_z[None, :]
+                    b_z += tl.sum(b_k.to(tl.float32), 0)
+                b_p = tl.dot(b_vt, b_k.to(b_vt.dtype), acc=b_p, input_precision=FLOAT32_PRECISION)
+                if FEATURE_MAP != "identity":  # dq = the gradient of phi(q) times phi'(q)
+                    b_q = tl.load(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                                  mask=mask_td, other=0.0)
+                    b_dq = _through_features(b_dq, _features(b_q, mask_td, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
+                b_dq_seen += tl.sum(b_dq * 0.0, 1)
+                tl.store(dq_base + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
+                         _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+            if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo the piece's dq causally
+                if IS_VARLEN:
+                    seq, piece_start, tokens, starts, _ends = _piece(
+                        segments_ptr, forward_first, piece, forward_pieces, flags, segment, n_segments, segment_len,
+                        T, 0)
+                    start64 = piece_start.to(tl.int64)
+                    q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+                    k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+                    v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+                    do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
+                    dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
+                    o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+                    denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
+                    if starts:
+                        _query_gradients_token_by_token(
+                            do_base, v_base, k_base, q_base, dq_base, o_base, denominator_base,
+                            initial_state_ptr + seq * stride_s0b + h64 * stride_s0h, tokens, D, E,
+                            stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                            stride_dqt, stride_dqd, stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E,
+                            NORMALIZE, FEATURE_MAP, INTERPRETED)
+                    else:
+                        _query_gradients_token_by_token(
+                            do_base, v_base, k_base, q_base, dq_base, o_base, denominator_base,
+                            forward_start_ptr + b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw,
+                            tokens, D, E,
+                            stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                            stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E,
+                            NORMALIZE, FEATURE_MAP, INTERPRETED)
+                else:
+                    redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
+                        tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0)
+                    _query_gradients_token_by_token(
+                        do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
+                        v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+                        k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                        q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
+                        dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
+                        o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                        denominator_arg + (redo_b * H + redo_h) * T + redo_first,
+                        forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw,
+                        redo_tokens, D, E,
+                        stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                        stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
+                        FEATURE_MAP, INTERPRETED)
+
+    upper = offs_c[:, None] <= offs_c[None, :]
+    for piece in range(0, reverse_pieces):
+        if IS_VARLEN:
+            seq, piece_start, tokens, starts, _ends = _piece(
+                segments_ptr, reverse_first, piece, reverse_pieces, flags, segment, n_segments, segment_len, T, 1)
+        else:
+            piece_start = segment * segment_len
+            tokens = tl.minimum(segment_len, T - piece_start)
+        n_chunks = (tokens + CHUNK - 1) // CHUNK
+        start64 = piece_start.to(tl.int64)
+        q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+        k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+        v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+        do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
+        dk_base = dk_ptr + b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
+        dv_base = dv_ptr + b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
+        o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+        denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
+        suffix_start = (suffix_start_ptr + b64 * stride_rb + h64 * stride_rh
+                        + (n_segments - 1 - segment).to(tl.int64) * stride_rw)
+        if IS_VARLEN:
+            if starts:
+                b_r, b_dz = _start_state(grad_final_ptr + seq * stride_gb + h64 * stride_gh, stride_gd, stride_ge,
+                                         offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)               # [D, E]
+            else:
+                b_r, b_dz = _start_state(suffix_start, stride_rd, stride_re, offs_d, offs_e, mask_d, mask_e, E,
+                                         NORMALIZE)
+        else:
+            b_r, b_dz = _start_state(suffix_start, stride_rd, stride_re, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)
+        b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
         for i in range(0, n_chunks):
-            offs_t = i * CHUNK + offs_c
+            offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
             mask_t = offs_t < tokens
             mask_td = mask_t[:, None] & mask_d[None, :]
-            b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe,
-                           mask=mask_t[:, None] & mask_e[None, :], other=0.0)        # [C, E]
-            b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
-                          mask=mask_t[:, None] & mask_e[None, :], other=0.0)         # [C, E]
-            b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                          mask=mask_td, other=0.0)                                   # [C, D]
+            mask_te = mask_t[:, None] & mask_e[None, :]
+            b_q = tl.load(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
+            b_k = tl.load(k_base + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
+            b_v = tl.load(v_base + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
+            b_do = tl.load(do_base + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
+                           other=0.0)
+            b_q = _features(b_q, mask_td, FEATURE_MAP, INTERPRETED)
             b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
-            if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
+            b_kq = tl.dot(b_k.to(DOT_DTYPE), tl.trans(b_q).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
+            b_kq = tl.where(upper, b_kq, 0.0)
+            if NORMALIZE:  # g and r in place of dO, as in the forward walk
                 b_do, b_grad_denominator = _normalizer_gradients(
-                    b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                    b_do, o_base, denominator_base, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
                     MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
-                b_vt = tl.trans(b_v).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
-                b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION) + b_grad_denominator[:, None]
+                b_vdo = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_do),
+                               input_precision=FLOAT32_PRECISION)
+                b_vdo += b_grad_denominator[None, :]
             else:
-                b_vt = tl.trans(b_v).to(DOT_DTYPE)
-                b_scores = tl.dot(b_do.to(DOT_DTYPE), b_vt, input_precision=FLOAT32_PRECISION)
-            b_scores = tl.where(lower, b_scores, 0.0)
-            b_dq = tl.dot(b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
-                          _rounded(b_p, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                b_vdo = tl.dot(b_v.to(DOT_DTYPE), tl.trans(b_do).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
+            b_vdo = tl.where(upper, b_vdo, 0.0)
+            b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+            b_dv = tl.dot(b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)
+            b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                          b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dv, input_precision=FLOAT32_PRECISION)
+            b_dk = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed),
                           input_precision=FLOAT32_PRECISION)
-            b_dq = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                          b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dq, input_precision=FLOAT32_PRECISION)
+            b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                          b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
             if NORMALIZE:
-                b_dq += b_grad_denominator[:, None] * b_z[None, :]
-                b_z += tl.sum(b_k.to(tl.float32), 0)
-            b_p = tl.dot(b_vt, b_k.to(b_vt.dtype), acc=b_p, input_precision=FLOAT32_PRECISION)
-            if FEATURE_MAP != "identity":  # dq = the gradient of phi(q) times phi'(q)
-                b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                              mask=mask_td, other=0.0)
-                b_dq = _through_features(b_dq, _features(b_q, mask_td, FEATURE_MAP, INTERPRETED), FEATURE_MAP)
-            b_dq_seen += tl.sum(b_dq * 0.0, 1)
-            tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
-                     _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
-        if tl.sum(b_dq_seen, 0) != 0.0:  # an inf or NaN in some dQ_c: redo the segment's dq causally
-            redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
-                segments_ptr, tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0, IS_VARLEN)
-            _query_gradients_token_by_token(
-                do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
-                v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
-                k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
-                q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
-                dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
-                o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
-                denominator_arg + (redo_b * H + redo_h) * T + redo_first,
-                forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw, redo_tokens, D, E,
-                stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
-                stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
-                FEATURE_MAP, INTERPRETED)
+                b_dk += b_dz[None, :]
+                b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
+                b_r = tl.dot(tl.trans(b_q).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do, acc=b_r,
+                             input_precision=FLOAT32_PRECISION)
+            else:
+                b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r,
+                             input_precision=FLOAT32_PRECISION)
+            b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
+            b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
+            tl.store(dk_base + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
+                     _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+            tl.store(dv_base + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
+                     _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
 
-    suffix_start_ptr += b64 * stride_rb + h64 * stride_rh + (n_segments - 1 - segment).to(tl.int64) * stride_rw
-    b_r = tl.load(suffix_start_ptr + offs_d[:, None] * stride_rd + offs_e[None, :] * stride_re,
-                  mask=mask_d[:, None] & mask_e[None, :], other=0.0)                  # [D, E]
-    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if NORMALIZE:
-        b_dz = tl.load(suffix_start_ptr + offs_d * stride_rd + E * stride_re, mask=mask_d, other=0.0)
-    upper = offs_c[:, None] <= offs_c[None, :]
-    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    for i in range(0, n_chunks):
-        offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
-        mask_t = offs_t < tokens
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_te = mask_t[:, None] & mask_e[None, :]
-        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
-        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
-        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
-        b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
-                       other=0.0)
-        b_q = _features(b_q, mask_td, FEATURE_MAP, INTERPRETED)
-        b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
-        b_kq = tl.dot(b_k.to(DOT_DTYPE), tl.trans(b_q).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
-        b_kq = tl.where(upper, b_kq, 0.0)
-        if NORMALIZE:  # g and r in place of dO, as in the forward walk
-            b_do, b_grad_denominator = _normalizer_gradients(
-                b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
-                MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
-            b_vdo = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_do), input_precision=FLOAT32_PRECISION)
-            b_vdo += b_grad_denominator[None, :]
+        # what the store and a redo need, derived again rather than kept live through the loop
+        if IS_VARLEN:
+            seq, piece_start, tokens, starts, ends_walk = _piece(
+                segments_ptr, reverse_first, piece, reverse_pieces, flags, segment, n_segments, segment_len, T, 1)
+            ds0_row = seq * H + h
         else:
-            b_vdo = tl.dot(b_v.to(DOT_DTYPE), tl.trans(b_do).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
-        b_vdo = tl.where(upper, b_vdo, 0.0)
-        b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-        b_dv = tl.dot(b_k.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)
-        b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                      b_do.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dv, input_precision=FLOAT32_PRECISION)
-        b_dk = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)
-        b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                      b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_dk, input_precision=FLOAT32_PRECISION)
-        if NORMALIZE:
-            b_dk += b_dz[None, :]
-            b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
-            b_r = tl.dot(tl.trans(b_q).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_do, acc=b_r,
-                         input_precision=FLOAT32_PRECISION)
-        else:
-            b_r = tl.dot(tl.trans(b_q).to(DOT_DTYPE), b_do.to(DOT_DTYPE), acc=b_r, input_precision=FLOAT32_PRECISION)
-        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
-        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
-        tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
-                 _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
-        tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
-                 _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
+            ends_walk = segment == 0
+            ds0_row = bh
+        if ends_walk:  # the reverse walk ends on dS_0
+            state_width = E + STATE_WIDTH_EXTRA
+            ds0_base = ds0_ptr + ds0_row.to(tl.int64) * D * state_width
+            tl.store(ds0_base + offs_d[:, None] * state_width + offs_e[None, :], b_r,
+                     mask=mask_d[:, None] & mask_e[None, :])
+            if NORMALIZE:
+                tl.store(ds0_base + offs_d * state_width + E, b_dz, mask=mask_d)
 
-    if starts_sequence:  # the reverse walk ends on dS_0
-        state_width = E + STATE_WIDTH_EXTRA
-        ds0_ptr += ds0_row.to(tl.int64) * D * state_width
-        tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r,
-                 mask=mask_d[:, None] & mask_e[None, :])
-        if NORMALIZE:
-            tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
-
-    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
-        redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
-            segments_ptr, tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0, IS_VARLEN)
-        _key_value_gradients_token_by_token(
-            q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
-            k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
-            v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
-            do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
-            dk_arg + redo_b * stride_dkb + redo_h * stride_dkh + redo_first * stride_dkt,
-            dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
-            o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
-            denominator_arg + (redo_b * H + redo_h) * T + redo_first,
-            suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh + (n_segments - 1 - redo_walk) * stride_rw,
-            redo_tokens, D, E,
-            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
-            BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+        if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both causally
+            if IS_VARLEN:
+                start64 = piece_start.to(tl.int64)
+                q_base = q_ptr + b64 * stride_qb + h64 * stride_qh + start64 * stride_qt
+                k_base = k_ptr + b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
+                v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
+                do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
+                dk_base = dk_ptr + b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
+                dv_base = dv_ptr + b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
+                o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+                denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
+                if starts:
+                    _key_value_gradients_token_by_token(
+                        q_base, k_base, v_base, do_base, dk_base, dv_base, o_base, denominator_base,
+                        grad_final_ptr + seq * stride_gb + h64 * stride_gh, tokens, D, E,
+                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
+                        BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+                else:
+                    _key_value_gradients_token_by_token(
+                        q_base, k_base, v_base, do_base, dk_base, dv_base, o_base, denominator_base,
+                        suffix_start_ptr + b64 * stride_rb + h64 * stride_rh
+                        + (n_segments - 1 - segment).to(tl.int64) * stride_rw, tokens, D, E,
+                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
+                        BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+            else:
+                redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
+                    tl.program_id(0).to(tl.int64), 1, n_segments, H, T, segment_len, 0)
+                _key_value_gradients_token_by_token(
+                    q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
+                    k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
+                    v_arg + redo_b * stride_vb + redo_h * stride_vh + redo_first * stride_vt,
+                    do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
+                    dk_arg + redo_b * stride_dkb + redo_h * stride_dkh + redo_first * stride_dkt,
+                    dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
+                    o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                    denominator_arg + (redo_b * H + redo_h) * T + redo_first,
+                    suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh + (n_segments - 1 - redo_walk) * stride_rw,
+                    redo_tokens, D, E,
+                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+                    stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
+                    BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 @triton.jit
 def scan_segments_kernel(
     cu_seqlens_ptr,                 # (N + 1,) int32 or int64 offsets of the packed sequences
-    segments_ptr,                   # int32 (5, NS), written: the segment table (see _segment_table)
+    segments_ptr,                   # int32 (3 * NS + N + 1,), written: the segment table (see _segment_table)
     n_sequences, n_segments, segment_len,
     BLOCK_S: tl.constexpr,          # segments per program
     BLOCK_N: tl.constexpr,          # sequences read per step
 ):
-    """The segment table of packed sequences, BLOCK_S segments a program. Sequence n owns
-    c_n = max(1, cdiv(length_n, L)) segments; segment s belongs to the first sequence whose
-    running count of segments passes s, found by counting, over blocks of sequences, those
-    that end at or before s."""
+    """The segment table of packed sequences, BLOCK_S segments a program. Segment s holds tokens
+    [s L, min((s + 1) L, T)). Its first piece's sequence is the one that holds its first token
+    (sequence 0 for segment 0, so that empty sequences in front are walked too): the count of
+    sequences that end at or before s L. Its last piece's sequence is the one that holds token
+    (s + 1) L if that one began before it, else the last to end at or before (s + 1) L (empty
+    ones included); every sequence in between ends in the segment. Program 0 also copies the
+    offsets, as int32, after the three rows."""
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    seq = tl.zeros([BLOCK_S], dtype=tl.int32)           # sequences that end at or before s
-    first = tl.zeros([BLOCK_S], dtype=tl.int32)         # their segments: s's index in its sequence is s - first
-    carry = 0
+    mask_s = offs_s < n_segments
+    segment_first = offs_s * segment_len
+    segment_end = segment_first + segment_len
+    ended_before = tl.zeros([BLOCK_S], dtype=tl.int32)   # sequences that end at or before s L
+    ended_within = tl.zeros([BLOCK_S], dtype=tl.int32)   # ... at or before (s + 1) L
     for n0 in range(0, n_sequences, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_sequences
-        bos = tl.load(cu_seqlens_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
         eos = tl.load(cu_seqlens_ptr + offs_n + 1, mask=mask_n, other=0).to(tl.int32)
-        counts = tl.where(mask_n, tl.maximum((eos - bos + segment_len - 1) // segment_len, 1), 0)
-        ends = carry + tl.cumsum(counts, 0)
-        before = mask_n[None, :] & (ends[None, :] <= offs_s[:, None])   # [BLOCK_S, BLOCK_N]
-        seq += tl.sum(before.to(tl.int32), axis=1)
-        first += tl.sum(tl.where(before, counts[None, :], 0), axis=1)
-        carry += tl.sum(counts, 0)
-    used = seq < n_sequences                             # past the last sequence: an empty row
-    seq = tl.minimum(seq, n_sequences - 1)
-    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
-    eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32)
-    position = offs_s - first
-    start = bos + position * segment_len
-    tokens = tl.minimum(eos - start, segment_len)
-    last = tl.maximum((eos - bos + segment_len - 1) // segment_len, 1) - 1
-    flags = (position == 0).to(tl.int32) + 2 * (position == last).to(tl.int32)
-    mask_s = offs_s < n_segments
-    tl.store(segments_ptr + offs_s, tl.where(used, seq, 0), mask=mask_s)
-    tl.store(segments_ptr + n_segments + offs_s, tl.where(used, start, 0), mask=mask_s)
-    tl.store(segments_ptr + 2 * n_segments + offs_s, tl.where(used, tokens, 0), mask=mask_s)
-    tl.store(segments_ptr + 3 * n_segments + offs_s, tl.where(used, flags, 0), mask=mask_s)
-    if tl.program_id(0) == 0:  # every program counted every sequence's segments: one stores the total
-        tl.store(segments_ptr + 4 * n_segments, carry)
+        ended_before += tl.sum((mask_n[None, :] & (eos[None, :] <= segment_first[:, None])).to(tl.int32), axis=1)
+        ended_within += tl.sum((mask_n[None, :] & (eos[None, :] <= segment_end[:, None])).to(tl.int32), axis=1)
+    first = tl.where(offs_s == 0, 0, ended_before)
+    # the sequence that holds token (s + 1) L, if any: it goes on into the segment if it began before
+    holds_end = ended_within < n_sequences
+    next_start = tl.load(cu_seqlens_ptr + ended_within, mask=mask_s & holds_end, other=0).to(tl.int32)
+    goes_on = holds_end & (next_start < segment_end)
+    last = tl.where(goes_on, ended_within, ended_within - 1)
+    first_start = tl.load(cu_seqlens_ptr + first, mask=mask_s, other=0).to(tl.int32)
+    last_end = tl.load(cu_seqlens_ptr + last + 1, mask=mask_s, other=0).to(tl.int32)
+    # Pass 2 carries a state into segment s only where one sequence spans the whole segment
+    # walked before it: else it restarts there from the S_0 (G) of s's first walked sequence.
+    forward_restart = first_start >= segment_first - segment_len
+    reverse_restart = last_end <= segment_end + segment_len
+    flags = ((first_start >= segment_first).to(tl.int32) + 2 * (~goes_on).to(tl.int32)
+             + 4 * forward_restart.to(tl.int32) + 8 * reverse_restart.to(tl.int32))
+    tl.store(segments_ptr + offs_s, first, mask=mask_s)
+    tl.store(segments_ptr + n_segments + offs_s, last, mask=mask_s)
+    tl.store(segments_ptr + 2 * n_segments + offs_s, flags, mask=mask_s)
+    if tl.program_id(0) == 0:
+        for n0 in range(0, n_sequences + 1, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n <= n_sequences
+            tl.store(segments_ptr + 3 * n_segments + offs_n,
+                     tl.load(cu_seqlens_ptr + offs_n, mask=mask_n, other=0).to(tl.int32), mask=mask_n)
 
 
 # Host side: configuration, launches, autograd.
@@ -1172,21 +1366,29 @@ class _States:
         return replace(self, strides=(sb, sh, sw, se, sd))
 
 
+def _without_walk(strides):
+    """The (b, h, d, e) strides of a ``_States``: a walk's S_0 (or G), row b per sequence."""
+    sb, sh, _, sd, se = strides
+    return sb, sh, sd, se
+
+
 #: Segments per program and sequences per step of ``scan_segments_kernel``.
 _TABLE_BLOCK_S, _TABLE_BLOCK_N = 128, 64
 
 
 def _segment_table(cu_seqlens, segment_len, T):
-    """The segments of packed sequences, int32 (5, NS): per segment its sequence, first token,
-    token count and flags (1: first segment of its sequence, 2: its last), and in row 4's first
-    element the count of segments used. Each sequence is cut into segments of ``segment_len``
-    tokens from its own first token (an empty one gets one empty segment, which carries S_0 to
-    S_T), so no segment or chunk straddles a boundary. One launch (``scan_segments_kernel``),
-    without reading the offsets back: NS = T // L + N bounds the count, and the unused tail is
-    empty segments (sequence 0, no tokens, no flags), which pass 2 skips."""
+    """The segments of packed sequences: int32 (3 * NS + N + 1,), NS = cdiv(T, L). The
+    segments are those of one sequence of T tokens, cut every L tokens whatever the
+    boundaries; the part of a sequence that lies in a segment is a piece. Row 0 (entries 0 to
+    NS - 1) holds each segment's first piece's sequence, row 1 its last piece's (every
+    sequence between them ends in the segment), row 2 its flags (1: the first piece begins
+    in the segment; 2: the last piece ends in it; 4, 8: pass 2's forward, reverse walk restarts
+    at the segment, as no sequence spans the whole segment walked before it), then the N + 1
+    offsets as int32. One launch
+    (``scan_segments_kernel``), without reading the offsets back."""
     n_sequences = cu_seqlens.shape[0] - 1
-    n_segments = T // segment_len + n_sequences
-    table = torch.empty(5, n_segments, dtype=torch.int32, device=cu_seqlens.device)
+    n_segments = -(-T // segment_len)
+    table = torch.empty(3 * n_segments + n_sequences + 1, dtype=torch.int32, device=cu_seqlens.device)
     with _launch_guard():
         scan_segments_kernel[(triton.cdiv(n_segments, _TABLE_BLOCK_S),)](
             cu_seqlens, table, n_sequences, n_segments, segment_len,
@@ -1211,8 +1413,7 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
     ``feature_map`` maps k (q) as the kernel loads it."""
     B, H, T, D = k.shape
     E = v.shape[-1]
-    # rounded up, as triton.cdiv but without its host cost
-    n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
+    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
     if n_segments <= 1:
         return initial
     gradient = denominator is not None
@@ -1238,27 +1439,30 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
     return _States(states, (H * n_segments * D * width, n_segments * D * width, D * width, width, 1))
 
 
-def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_sequences=None, denominator=None,
-                     eps=0.0, feature_map="identity"):
+def _segment_outputs(q, k, v, starts, *, reverse, config, initial=None, segments=None, n_sequences=None,
+                     denominator=None, eps=0.0, feature_map="identity"):
     """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
-    one final state per sequence: (n_sequences, H, D, E). With ``denominator``, a (B, H, T)
+    one final state per sequence: (n_sequences, H, D, E), and the pieces that start their
+    sequence's walk in a segment start from its row of ``initial`` (the walk's S_0, or G when
+    ``reverse``, a ``_States`` seen as ``starts`` is). With ``denominator``, a (B, H, T)
     float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
     E + 1 columns, z last, and ``feature_map`` maps q and k as the kernel loads them."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    # rounded up, as triton.cdiv but without its host cost
-    n_segments = -(-T // config["SEGMENT_LEN"]) if segments is None else segments.shape[1]
+    n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     normalize = denominator is not None
     o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
     final_state = torch.empty(B if segments is None else n_sequences, H, D, E + normalize, device=q.device,
                               dtype=torch.float32)
+    initial = initial or starts  # without segments, a stand-in the kernel never follows
+    sb0, sh0, sd0, se0 = _without_walk(initial.strides)
     with _launch_guard():
         scan_outputs_kernel[(B * H * n_segments * -(-E // block_e),)](
-            q, k, v, o, starts.tensor, final_state, final_state if segments is None else segments,
+            q, k, v, o, starts.tensor, initial.tensor, final_state, final_state if segments is None else segments,
             denominator if normalize else final_state,
             T, H, D, E, config["SEGMENT_LEN"], n_segments, int(reverse), float(eps),
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *starts.strides, sb0, sh0, sd0, se0,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None, NORMALIZE=normalize,
             FEATURE_MAP=feature_map, num_warps=config["num_warps"], num_stages=config["num_stages"],
@@ -1268,8 +1472,9 @@ def _segment_outputs(q, k, v, starts, *, reverse, config, segments=None, n_seque
 
 def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, feature_map="identity"):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
-    length, segment table or None, d + eps or None). Packed (``cu_seqlens``): segments cut per
-    sequence (``_segment_table``), one state per sequence. With ``eps``, the normalised forward
+    length, segment table or None, d + eps or None). Packed (``cu_seqlens``): the segments of
+    one sequence of total_T tokens, each walked piece by piece (``_segment_table``), one state per
+    sequence. With ``eps``, the normalised forward
     (NORMALIZE): states of E + 1 columns, z last, and d_t + eps (B, H, T) float32 for the backward;
     ``feature_map`` maps q and k in the kernels."""
     B, H, T, D = q.shape
@@ -1289,21 +1494,23 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
                              feature_map=feature_map)
-    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, segments=segments,
-                                      n_sequences=n_states, denominator=denominator, eps=eps or 0.0,
+    o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, initial=initial,
+                                      segments=segments, n_sequences=n_states, denominator=denominator, eps=eps or 0.0,
                                       feature_map=feature_map)
     return o, final_state, starts, resolved["SEGMENT_LEN"], segments, denominator
 
 
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
-                     segments=None, n_sequences=None, o=None, denominator=None, feature_map="identity"):
+                     forward_initial, grad_final, segments=None, n_sequences=None, o=None, denominator=None,
+                     feature_map="identity"):
     """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
-    is (n_sequences, H, D, E). With the forward's ``o`` and ``denominator``, the normalised
+    is (n_sequences, H, D, E), and pieces start from their sequence's row of ``forward_initial``
+    (S_0) or ``grad_final`` (G), both ``_States``. With the forward's ``o`` and ``denominator``, the normalised
     backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last, and q, k are
     mapped by the forward's ``feature_map``."""
     B, H, T, D = q.shape
     E = v.shape[-1]
-    n_segments = -(-T // segment_len) if segments is None else segments.shape[1]  # rounded up
+    n_segments = -(-T // segment_len)  # rounded up
     normalize = denominator is not None
     # Each gradient laid out as its input: autograd keeps it as is, without a copy to the leaf's strides.
     dk = torch.empty_like(k)
@@ -1316,9 +1523,11 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     with _launch_guard():
         scan_backward_kernel[(B * H * n_segments,)](
             q, k, v, grad_o, o_arg, denominator_arg, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor,
+            forward_initial.tensor, grad_final.tensor,
             ds0, ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *forward_starts.strides, *suffix_starts.strides,
+            *_without_walk(forward_initial.strides), *_without_walk(grad_final.strides),
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
             INTERPRETED=triton.knobs.runtime.interpret, IS_VARLEN=segments is not None, NORMALIZE=normalize,
             FEATURE_MAP=feature_map, num_warps=fused["num_warps"], num_stages=fused["num_stages"],
@@ -1326,26 +1535,30 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     return dq, dk, dv, ds0
 
 
-def _backward_in_passes(q, k, v, grad_o, forward_starts, grad_final, overrides, needs, packed):
+def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_final, overrides, needs, packed):
     """dq, dk, dv, dS_0 (None where not needed) from pass 3 run up to three times (and passes 1
     and 2 once, for the suffix states), every product cut into the forward's segments:
     dQ = forward product (dO, V, K) from the forward's start states transposed; dV = reverse
     product (K, Q, dO) from G, whose final state is dS_0; dK = reverse product (V, dO, Q) from the
-    same suffix states transposed. ``needs``: (q, k, v, initial state)."""
+    same suffix states transposed. ``needs``: (q, k, v, initial state). ``forward_initial``: S_0,
+    where packed pieces start their forward walk."""
     need_q, need_k, need_v, need_initial = needs
     dq = dk = dv = d_initial = None
     if need_q:
         dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
-                                 config=_resolve_config(grad_o, k, overrides), **packed)
+                                 config=_resolve_config(grad_o, k, overrides), initial=forward_initial.transposed(),
+                                 **packed)
     if need_k or need_v or need_initial:
         config = _resolve_config(k, grad_o, overrides)
         suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
                                         segments=packed["segments"])
         if need_v or need_initial:
-            dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True, config=config, **packed)
+            dv, d_initial = _segment_outputs(k, q, grad_o, suffix_starts, reverse=True, config=config,
+                                             initial=grad_final, **packed)
         if need_k:
             dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
-                                     config=_resolve_config(v, q, overrides), **packed)
+                                     config=_resolve_config(v, q, overrides), initial=grad_final.transposed(),
+                                     **packed)
     return dq, dk, dv, d_initial
 
 
@@ -1362,7 +1575,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.config = config
         o, final_state, starts, ctx.segment_len, segments, _ = _launch(q, k, v, initial_state, config, cu_seqlens)
-        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments)
+        ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments, initial_state)
         ctx.start_strides = None if starts is None else starts.strides
         ctx.n_states = final_state.shape[0]
         return o, final_state
@@ -1370,7 +1583,7 @@ class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, start_tensor, segments = ctx.saved_tensors
+        q, k, v, start_tensor, segments, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
         need_q, need_k, need_v, need_initial = needs
         packed = {"segments": segments, "n_sequences": ctx.n_states}
@@ -1381,6 +1594,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
         grad_final = _States.initial(grad_final_state, q.device)
+        forward_initial = _States.initial(initial_state, q.device)
         # Every product cuts the sequence into the forward's segments, so that start states can
         # be shared: the forward's serve dQ, and one pass 1 and 2 of suffix sums serves dV and dK.
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
@@ -1393,10 +1607,11 @@ class _ScanCausalProduct(torch.autograd.Function):
                                             segments=segments)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused,
-                                                     compute_dq=need_q, **packed)
+                                                     compute_dq=need_q, forward_initial=forward_initial,
+                                                     grad_final=grad_final, **packed)
         else:
-            dq, dk, dv, d_initial = _backward_in_passes(q, k, v, grad_o, forward_starts, grad_final, overrides,
-                                                        needs, packed)
+            dq, dk, dv, d_initial = _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial,
+                                                        grad_final, overrides, needs, packed)
         return (dq, dk if need_k else None, dv if need_v else None,
                 d_initial if need_initial else None, None, None)
 
@@ -1417,8 +1632,8 @@ def _through_features_of(grad, phi, feature_map):
     return torch.where(phi <= 0, 0.0, grad)
 
 
-def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts, grad_final, overrides,
-                                   needs, packed, feature_map="identity"):
+def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts, forward_initial, grad_final,
+                                   overrides, needs, packed, feature_map="identity"):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64):
     ``_backward_in_passes`` on the plain product's operands widened by one column, the
     denominator's: dO -> [g, r] with g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t), v -> [v, 1].
@@ -1439,7 +1654,7 @@ def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_star
     widened_v = torch.cat([v.float(), v.new_ones((*v.shape[:-1], 1), dtype=torch.float32)], dim=-1)
     need_q, need_k, need_v, need_initial = needs
     dq, dk, widened_dv, d_initial = _backward_in_passes(
-        q.float(), k.float(), widened_v, widened_grad, forward_starts, grad_final, overrides,
+        q.float(), k.float(), widened_v, widened_grad, forward_starts, forward_initial, grad_final, overrides,
         (need_q, need_k, need_v or need_initial, need_initial), packed)
     if feature_map != "identity":
         dq = None if dq is None else _through_features_of(dq, q, feature_map)
@@ -1460,7 +1675,8 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         o, final_state, starts, ctx.segment_len, segments, denominator = _launch(
             q, k, v, initial_state, config, cu_seqlens, eps=eps, feature_map=feature_map)
         # q, k as given: the backward maps them again
-        ctx.save_for_backward(q, k, v, o, denominator, None if starts is None else starts.tensor, segments)
+        ctx.save_for_backward(q, k, v, o, denominator, None if starts is None else starts.tensor, segments,
+                              initial_state)
         ctx.start_strides = None if starts is None else starts.strides
         ctx.n_states = final_state.shape[0]
         return o, final_state
@@ -1468,7 +1684,7 @@ class _ScanNormalizedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
-        q, k, v, o, denominator, start_tensor, segments = ctx.saved_tensors
+        q, k, v, o, denominator, start_tensor, segments, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
         packed = {"segments": segments, "n_sequences": ctx.n_states}
         B, H, T, D = q.shape
@@ -1478,6 +1694,7 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros_like(o)
         grad_final = _States.initial(grad_final_state, q.device)
+        forward_initial = _States.initial(initial_state, q.device)
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
         forward_starts = _States(start_tensor, ctx.start_strides)
         config = _resolve_config(k, grad_o, overrides)
@@ -1489,12 +1706,13 @@ class _ScanNormalizedAttention(torch.autograd.Function):
                                             feature_map=ctx.feature_map)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused, compute_dq=needs[0],
+                                                     forward_initial=forward_initial, grad_final=grad_final,
                                                      o=o, denominator=denominator, feature_map=ctx.feature_map,
                                                      **packed)
         else:
             dq, dk, dv, d_initial = _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts,
-                                                                   grad_final, overrides, needs, packed,
-                                                                   ctx.feature_map)
+                                                                   forward_initial, grad_final, overrides, needs,
+                                                                   packed, ctx.feature_map)
         return (dq, dk if needs[1] else None, dv if needs[2] else None, d_initial if needs[3] else None,
                 None, None, None, None)
 
