@@ -193,21 +193,16 @@ def test_segment_length_rule_on_the_main_benchmark_shape():
     assert state_bytes <= token_bytes / 4
 
 
-def test_packed_sequences_get_shorter_segments(monkeypatch):
-    """Packed sequences end in partial segments: the rule aims for twice the programs there
-    (65536 tokens, 16 heads of 64 in bfloat16: 2048 tokens packed, 4096 as one sequence, the
-    fastest of each in the recorded sweep), and the wrapper applies it where cu_seqlens is given."""
-    one = scan.default_config(1, 16, 65536, 64, 64, BF16, 132)["SEGMENT_LEN"]
-    packed = scan.default_config(1, 16, 65536, 64, 64, BF16, 132, packed=True)["SEGMENT_LEN"]
-    assert (one, packed) == (4096, 2048)
-    asked = []
-    rule = scan._resolved_config
-    monkeypatch.setattr(scan, "_resolved_config", lambda *args: asked.append(args[-1]) or rule(*args))
-    q, k, v = random_inputs(1, 1, 40, 4, 4, dtype=F32, seed=0)
-    offsets = torch.tensor([0, 15, 40], device=q.device)
+def test_packed_sequences_are_cut_as_one_sequence(monkeypatch):
+    """Segments straddle the boundaries of packed sequences, so the wrapper cuts a packed row
+    into the segments of one sequence of the same length: the same rule, the same length."""
+    lengths = []
+    table = scan._segment_table
+    monkeypatch.setattr(scan, "_segment_table", lambda cu, length, T: lengths.append(length) or table(cu, length, T))
+    q, k, v = random_inputs(1, 2, 300, 4, 4, dtype=F32, seed=0)
+    offsets = torch.tensor([0, 15, 15, 200, 300], device=q.device)
     ttx_tutorial.causal_product(q, k, v, "scan", cu_seqlens=offsets)
-    ttx_tutorial.causal_product(q, k, v, "scan")
-    assert asked == [True, False]
+    assert lengths == [scan._resolve_config(q, v, None)["SEGMENT_LEN"]]
 
 
 def test_config_is_checked():

@@ -383,7 +383,7 @@ def scan_summaries_kernel(
     o_ptr,                          # NORMALIZER_GRADIENT: the normalised forward's output (B, H, T, E)
     denominator_ptr,                # NORMALIZER_GRADIENT: its d_t + eps (B, H, T) float32, contiguous
     T, H, D, E,
-    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L) (packed: the table's)
+    segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
     reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -394,7 +394,7 @@ def scan_summaries_kernel(
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
-    IS_VARLEN: tl.constexpr,        # k, v hold the table's sequences packed along T of one row
+    IS_VARLEN: tl.constexpr,        # k, v hold sequences packed along T of one row (see _segment_table)
     NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
     NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE,
                                     # BLOCK_E >= E): S sums q_t g_t^T and z sums r_t q_t
@@ -515,11 +515,10 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
             if IS_VARLEN:  # the segmented combine: restart where no sequence spans the segment before
                 segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
                 if (tl.load(segments_ptr + 2 * n_segments + segment) & (4 + 4 * reverse)) != 0:
-                    if stride_s0b == 0:  # one S_0 for every sequence
-                        b_carry = tl.load(initial_state_ptr + offs_s0, mask=mask, other=0.0)
-                    else:  # the S_0 of the segment's first walked sequence
-                        seq = tl.load(segments_ptr + reverse * n_segments + segment)
-                        b_carry = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
+                    # the S_0 of the segment's first walked sequence (with one S_0 for every
+                    # sequence, no need to look which)
+                    seq = 0 if stride_s0b == 0 else tl.load(segments_ptr + reverse * n_segments + segment)
+                    b_carry = tl.load(initial_state_ptr + seq * stride_s0b + offs_s0, mask=mask, other=0.0)
             b_carry += b_sum
             tl.store(slot_ptr + offs_state, b_carry, mask=mask)
 
@@ -612,7 +611,9 @@ def scan_outputs_kernel(
     causal = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
     b64, h64 = b.to(tl.int64), h.to(tl.int64)
 
-    for piece in range(0, n_pieces):
+    # disable_licm: what the compiler would hoist out of the loop over pieces (the tensors' bases)
+    # would stay live through the chunk loop and cost it registers.
+    for piece in tl.range(0, n_pieces, disable_licm=True):
         if IS_VARLEN:  # the piece: its sequence, first token, length
             seq, piece_start, tokens, starts, _ends = _piece(
                 segments_ptr, walk_first, piece, n_pieces, flags, segment, n_segments, segment_len, T, reverse)
@@ -817,7 +818,9 @@ def scan_backward_kernel(
     # tiles held an inf or NaN is redone one token at a time after the loops.
     if compute_dq:
         lower = offs_c[:, None] >= offs_c[None, :]
-        for piece in range(0, forward_pieces):
+        # disable_licm: what the compiler would hoist out of the loop over pieces (the tensors'
+        # bases) would stay live through the chunk loop and cost it registers.
+        for piece in tl.range(0, forward_pieces, disable_licm=True):
             if IS_VARLEN:
                 seq, piece_start, tokens, starts, _ends = _piece(segments_ptr, forward_first, piece, forward_pieces,
                                                                  flags, segment, n_segments, segment_len, T, 0)
@@ -930,7 +933,7 @@ def scan_backward_kernel(
                         FEATURE_MAP, INTERPRETED)
 
     upper = offs_c[:, None] <= offs_c[None, :]
-    for piece in range(0, reverse_pieces):
+    for piece in tl.range(0, reverse_pieces, disable_licm=True):  # disable_licm: as in the forward walk
         if IS_VARLEN:
             seq, piece_start, tokens, starts, _ends = _piece(
                 segments_ptr, reverse_first, piece, reverse_pieces, flags, segment, n_segments, segment_len, T, 1)
@@ -1169,10 +1172,8 @@ def check_config(config):
 _TUNED_HEAD_DIMS = (64, 128)
 #: Pass-3 programs per multiprocessor the segment length aims for: two let one program's loads
 #: overlap another's products; more add pass-2 steps and state traffic, and measured slower on
-#: an H200 (benchmarks/NOTES.md). Packed sequences aim for four: their last segments are
-#: partial, and more, shorter programs even out when the programs finish.
+#: an H200 (benchmarks/NOTES.md). Packed sequences are cut as one sequence of their total length.
 _PROGRAMS_PER_SM = 2
-_PACKED_PROGRAMS_PER_SM = 4
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
 _NOMINAL_LIMITS = (132, 232448)
 
@@ -1240,36 +1241,34 @@ def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
 
 
-def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors, packed=False):
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
     Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
-    multiprocessor (_PACKED_PROGRAMS_PER_SM for ``packed`` sequences, T their total): T / NS
-    tokens rounded to the nearest power of two (at least one chunk), so that equal segments
+    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so that equal segments
     split the sequence evenly. Traffic: each segment moves its float32 state
     (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
     and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK. Where the
     two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
     """
-    programs_per_sm = _PACKED_PROGRAMS_PER_SM if packed else _PROGRAMS_PER_SM
-    wanted_segments = triton.cdiv(programs_per_sm * multiprocessors, max(1, batch_heads * e_blocks))
+    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors, max(1, batch_heads * e_blocks))
     parallel_length = max(chunk, 2 ** round(math.log2(max(1.0, T / wanted_segments))))
     traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
     traffic_length = triton.cdiv(traffic_length, chunk) * chunk
     return max(parallel_length, traffic_length)
 
 
-def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3", packed=False):
+def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3"):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
     ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors, with
     ``FLOAT32_PRECISION``, the kernels' product precision (``float32_precision`` for float32
-    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly). ``packed``: T
-    tokens in B = 1 row of packed sequences."""
-    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision, packed))
+    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly). Packed sequences
+    take the config of one sequence of their total length."""
+    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision))
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
-def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision, packed=False):
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision):
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
@@ -1277,7 +1276,7 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
-                                 dtype.itemsize, multiprocessors, packed)
+                                 dtype.itemsize, multiprocessors)
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
@@ -1291,13 +1290,13 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     return resolved
 
 
-def _resolve_config(q, v, config, packed=False):
+def _resolve_config(q, v, config):
     """The launch configuration for these inputs: the rule, then the caller's keys; float32
-    products at the precision PyTorch's setting asks for now. ``packed``: q holds packed sequences."""
+    products at the precision PyTorch's setting asks for now."""
     B, H, T, D = q.shape
     overrides = tuple(sorted((config or {}).items()))
     return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides,
-                            float32_precision(), packed)
+                            float32_precision())
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
@@ -1489,7 +1488,7 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
         else:
             final_state.copy_(initial_state)
         return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
-    resolved = _resolve_config(q, v, config, packed=cu_seqlens is not None)
+    resolved = _resolve_config(q, v, config)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
