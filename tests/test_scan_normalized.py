@@ -153,14 +153,15 @@ def test_gradient_of_the_state_alone_across_segments():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_sequences_match_each_sequence_alone(dtype):
-    """cu_seqlens of four sequences, an empty one and one of one token among them, with
-    boundaries at tokens 20 and 21 of the packed row, inside its 16-token segments: each
-    sequence is cut into its own segments, and its output, final (S, z) and gradients equal
-    float64 on that sequence alone, from its own initial state."""
+@pytest.mark.parametrize("lengths", [[20, 0, 1, 35], [16, 0, 16, 7, 25, 0]], ids=["inside", "on edges"])
+def test_packed_sequences_match_each_sequence_alone(lengths, dtype):
+    """cu_seqlens with an empty sequence and, first, boundaries at tokens 20 and 21 of the packed
+    row, inside its 16-token segments, then boundaries on segment edges (16, 32, 64) with empty
+    sequences on them: the segments straddle the boundaries, and each sequence's output, final
+    (S, z) and gradients equal float64 on that sequence alone, from its own initial state."""
     check_packed_normalised_entry(
         lambda q, k, v, s0, offsets: scan.scan_normalized_attention(q, k, v, s0, config=SHORT, cu_seqlens=offsets),
-        [20, 0, 1, 35], dtype)
+        lengths, dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the plain product, on purpose

@@ -125,6 +125,22 @@ def test_kernel_files_with_small_chunks_and_segments(method, config):
     check_against_loop(run, for_method(method, MIXED), torch.float32)
 
 
+#: Boundaries on scan's 16-token segment edges (16, 32, 64), empty sequences sitting on them and
+#: at the end, a sequence of exactly two segments and one that ends inside the last.
+ON_SEGMENT_EDGES = (16, 0, 16, 32, 0, 7, 25, 0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)  # three passes; the fused backward
+@pytest.mark.parametrize("lengths", (ON_SEGMENT_EDGES, MIXED), ids=("on segment edges", "mixed"))
+def test_scan_segments_straddle_boundaries(lengths, dtype):
+    """scan cuts the packed row into 16-token segments whatever the boundaries, walks the pieces
+    of sequences inside each, and restarts pass 2 where no sequence spans the segment before:
+    forward, and backward through the three passes (float32) and the fused kernel (bfloat16)."""
+    def run(q, k, v, s0, cu_seqlens):
+        return scan.scan_causal_product(q, k, v, s0, config={"CHUNK": 16, "SEGMENT_LEN": 16}, cu_seqlens=cu_seqlens)
+    check_against_loop(run, lengths, dtype, D=16, E=16)
+
+
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_no_initial_state_and_only_the_states_used(method):
     """Without initial states every sequence starts from zeros; a loss on the final states alone
