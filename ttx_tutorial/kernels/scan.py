@@ -50,8 +50,9 @@ them one after another, each from its sequence's S_0 unless it goes on from the 
 with chunks counted from the piece's first token (no chunk straddles a boundary), and store
 S_T for each sequence that ends in it. A table built on the device (``scan_segments_kernel``,
 no read back) names each segment's first and last piece; pass 1 sums only the last piece,
-the one that goes on, and pass 2 is a segmented scan that restarts where no sequence spans the
-whole segment before.
+the one that goes on, and pass 2 is a segmented scan: it carries a state into a segment only
+when the segment's first sequence began before the segment walked before, and restarts from
+that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
 about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
@@ -484,10 +485,11 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
     """Pass 2 for one (batch*head, value block): slot w <- S_0 + slots 1..w, seeded with S_0 in
     slot 0. states_ptr: this head's (NS, D, state_width) buffer, columns up to E scanned.
 
-    Packed (IS_VARLEN), a segmented scan: slot w + 1 holds the sum of the previous walked
-    segment's last piece only, and where no sequence spans that whole segment (the table's
-    restart flag) the walk restarts from the S_0 of segment w's first walked sequence (row
-    ``seq`` of S_0) before adding it.
+    Packed (IS_VARLEN), a segmented scan: slot w holds the sum of the previous walked segment's
+    last piece only (empty when that piece ends there), and unless segment w's first walked
+    sequence began before the previous walked segment (the table's restart flag, 4 forwards, 8
+    in reverse) the walk restarts from that sequence's S_0 (row ``seq`` of S_0; G in reverse)
+    before adding the slot.
 
     The segments one after another with a running carry, ROWS rows of the slice at a time. Each
     step waits for a load from L2, so the fewer steps the better: the whole slice up to 4096
@@ -512,7 +514,7 @@ def _scan_start_states(states_ptr, initial_state_ptr, segments_ptr, stride_s0b, 
             slot_ptr += D * state_width
             # .cg reads from L2: other multiprocessors wrote these sums.
             b_sum = tl.load(slot_ptr + offs_state, mask=mask, other=0.0, cache_modifier=".cg")
-            if IS_VARLEN:  # the segmented combine: restart where no sequence spans the segment before
+            if IS_VARLEN:  # the segmented combine: restart unless a sequence runs on from before
                 segment = tl.where(reverse != 0, n_segments - 1 - walk, walk)
                 if (tl.load(segments_ptr + 2 * n_segments + segment) & (4 + 4 * reverse)) != 0:
                     # the S_0 of the segment's first walked sequence (with one S_0 for every
@@ -1105,8 +1107,8 @@ def scan_segments_kernel(
     last = tl.where(goes_on, ended_within, ended_within - 1)
     first_start = tl.load(cu_seqlens_ptr + first, mask=mask_s, other=0).to(tl.int32)
     last_end = tl.load(cu_seqlens_ptr + last + 1, mask=mask_s, other=0).to(tl.int32)
-    # Pass 2 carries a state into segment s only where one sequence spans the whole segment
-    # walked before it: else it restarts there from the S_0 (G) of s's first walked sequence.
+    # Pass 2 carries a state into segment s only when s's first walked sequence began before the
+    # segment walked before s: else it restarts there from that sequence's S_0 (G in reverse).
     forward_restart = first_start >= segment_first - segment_len
     reverse_restart = last_end <= segment_end + segment_len
     flags = ((first_start >= segment_first).to(tl.int32) + 2 * (~goes_on).to(tl.int32)
@@ -1380,10 +1382,11 @@ def _segment_table(cu_seqlens, segment_len, T):
     segments are those of one sequence of T tokens, cut every L tokens whatever the
     boundaries; the part of a sequence that lies in a segment is a piece. Row 0 (entries 0 to
     NS - 1) holds each segment's first piece's sequence, row 1 its last piece's (every
-    sequence between them ends in the segment), row 2 its flags (1: the first piece begins
-    in the segment; 2: the last piece ends in it; 4, 8: pass 2's forward, reverse walk restarts
-    at the segment, as no sequence spans the whole segment walked before it), then the N + 1
-    offsets as int32. One launch
+    sequence between them ends in the segment), row 2 its flags (1: the first piece's sequence
+    begins in the segment; 2: the last piece's sequence ends in it; 4: the first piece's
+    sequence began no earlier than the start of the segment before, so pass 2's forward walk
+    restarts at the segment; 8: the last piece's sequence ends no later than the end of the
+    segment after, so the reverse walk restarts there), then the N + 1 offsets as int32. One launch
     (``scan_segments_kernel``), without reading the offsets back."""
     n_sequences = cu_seqlens.shape[0] - 1
     n_segments = -(-T // segment_len)
