@@ -1065,7 +1065,8 @@ def scan_backward_kernel(
                     dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
                     o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
                     denominator_arg + (redo_b * H + redo_h) * T + redo_first,
-                    suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh + (n_segments - 1 - redo_walk) * stride_rw,
+                    suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh
+                    + (n_segments - 1 - redo_walk) * stride_rw,
                     redo_tokens, D, E,
                     stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
                     stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
@@ -1247,8 +1248,8 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multipr
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
     Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
-    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so that equal segments
-    split the sequence evenly. Traffic: each segment moves its float32 state
+    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
+    that equal segments split the sequence evenly. Traffic: each segment moves its float32 state
     (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
     and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK. Where the
     two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
@@ -1386,8 +1387,8 @@ def _segment_table(cu_seqlens, segment_len, T):
     begins in the segment; 2: the last piece's sequence ends in it; 4: the first piece's
     sequence began no earlier than the start of the segment before, so pass 2's forward walk
     restarts at the segment; 8: the last piece's sequence ends no later than the end of the
-    segment after, so the reverse walk restarts there), then the N + 1 offsets as int32. One launch
-    (``scan_segments_kernel``), without reading the offsets back."""
+    segment after, so the reverse walk restarts there), then the N + 1 offsets as int32. One
+    launch (``scan_segments_kernel``), without reading the offsets back."""
     n_sequences = cu_seqlens.shape[0] - 1
     n_segments = -(-T // segment_len)
     table = torch.empty(3 * n_segments + n_sequences + 1, dtype=torch.int32, device=cu_seqlens.device)
@@ -1497,7 +1498,8 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
                              feature_map=feature_map)
     o, final_state = _segment_outputs(q, k, v, starts, reverse=False, config=resolved, initial=initial,
-                                      segments=segments, n_sequences=n_states, denominator=denominator, eps=eps or 0.0,
+                                      segments=segments, n_sequences=n_states, denominator=denominator,
+                                      eps=eps or 0.0,
                                       feature_map=feature_map)
     return o, final_state, starts, resolved["SEGMENT_LEN"], segments, denominator
 
