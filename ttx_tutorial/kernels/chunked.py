@@ -19,7 +19,8 @@ one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwi
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
-and adds the denominator's gradient in the same walks (the three passes: in PyTorch).
+and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
+``normalizer_gradient_kernel`` (the three passes: in PyTorch).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -104,18 +105,50 @@ def _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptrs, store_mask
 
 
 @triton.jit
-def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+def _normalizer_gradients(b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
                           MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(g, r) of a chunk for the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
     gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
-    g leaves at long T), and r_t = -(g_t . out_t) in float32, the denominator's. r is taken from
-    the rounded g: score gradients g_t . v_s + r_t then cancel as they should where v_s ~ out_t."""
-    b_o = tl.load(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
-                  mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    g leaves at long T), and the denominator's r_t, read from ``normalizer_gradient_kernel``'s
+    output: a number per token, where making it here would load a tile of o every chunk."""
     b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
     b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-    b_grad_denominator = -tl.sum(b_g.to(tl.float32) * b_o.to(tl.float32), 1)
-    return b_g, b_grad_denominator
+    return b_g, tl.load(grad_denominator_ptr + offs_t, mask=mask_t, other=0.0)
+
+
+@triton.jit
+def normalizer_gradient_kernel(
+    do_ptr, o_ptr,                  # dO and the normalised forward's output (B, H, T, E)
+    denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
+    grad_denominator_ptr,           # r (B, H, T) float32, contiguous, written
+    T, H, E,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,          # >= E: r sums over every value column
+    INTERPRETED: tl.constexpr,
+):
+    """The denominator's gradient r_t = -(g_t . out_t) for BLOCK_T tokens of one (batch, head),
+    g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
+    inputs), so that the score gradients g_t . v_s + r_t cancel where they should (v_s ~ out_t).
+    FlashAttention's backward starts the same way (the row sums of dO * O): one read of dO and o
+    here spares the backward's walks a tile of o a chunk, a load their pipeline left waiting."""
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if do_ptr.dtype.element_ty == tl.bfloat16 else tl.float32
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_e < E)[None, :]
+    b_do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot
+                   + offs_e[None, :] * stride_doe, mask=mask, other=0.0)
+    b_o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                  mask=mask, other=0.0)
+    row = pid_bh.to(tl.int64) * T
+    b_denominator = tl.load(denominator_ptr + row + offs_t, mask=mask_t, other=1.0)
+    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(tl.float32)
+    tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
 
 
 @triton.jit
@@ -180,23 +213,25 @@ def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, has_state, T,
 
 
 @triton.jit
-def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                     NORMALIZE: tl.constexpr):
+def _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe,
+                     NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(g_t, r_t) in float32 for one token: dO_t and 0, or with NORMALIZE the numerator's gradient
-    dO_t / (d_t + eps) and the denominator's -(g_t . out_t) (see chunked_backward_kernel)."""
-    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+    dO_t / (d_t + eps), rounded as the chunk walks round it, and the denominator's r_t
+    (``normalizer_gradient_kernel``, made from the same rounded g)."""
+    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0)
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if b_g.dtype == tl.bfloat16 else tl.float32
+    b_g = b_g.to(tl.float32)
     b_grad_denominator = 0.0
     if NORMALIZE:
-        b_g = b_g / tl.load(denominator_ptr + t)
-        b_o = tl.load(o_ptr + t * stride_ot + offs_e * stride_oe, mask=mask_e, other=0.0).to(tl.float32)
-        b_grad_denominator = -tl.sum(b_g * b_o, 0)
+        b_g = _rounded(b_g / tl.load(denominator_ptr + t), MIXED_DTYPE, INTERPRETED).to(tl.float32)
+        b_grad_denominator = tl.load(grad_denominator_ptr + t)
     return b_g, b_grad_denominator
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denominator_ptr, state_ptr, has_state,
-                                    T, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
-                                    stride_dqt, stride_dqd, stride_ot, stride_oe, stride_sd, stride_se,
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, grad_denominator_ptr, denominator_ptr, state_ptr,
+                                    has_state, T, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt,
+                                    stride_kd, stride_dqt, stride_dqd, stride_sd, stride_se,
                                     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                     NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for tokens [0, T) from P = S_0 (D x E, and z_0), one token at a time:
@@ -208,8 +243,8 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denomin
     mask_d = offs_d < D
     mask_e = offs_e < E
     for t in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
-        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
-                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, NORMALIZE, INTERPRETED)
         b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
         b_p += b_k[:, None] * b_v[None, :]
@@ -222,11 +257,11 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, o_ptr, denomin
 
 
 @triton.jit
-def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, o_ptr, denominator_ptr,
-                                        state_ptr, has_state, T, D, E,
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr,
+                                        denominator_ptr, state_ptr, has_state, T, D, E,
                                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
-                                        stride_ot, stride_oe, stride_sd, stride_se,
+                                        stride_sd, stride_se,
                                         BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                         NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for tokens [0, T), last first, from R = G (and dz = G's z column), one
@@ -239,8 +274,8 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
     mask_e = offs_e < E
     for i in tl.range(T, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = T - 1 - i
-        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
-                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, NORMALIZE, INTERPRETED)
         b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
         b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
@@ -405,7 +440,7 @@ def chunked_kernel(
 @triton.jit
 def chunked_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
-    o_ptr,                          # NORMALIZE: the forward's output (B, H, T, E)
+    grad_denominator_ptr,           # NORMALIZE: r (B, H, T) float32, contiguous (normalizer_gradient_kernel)
     denominator_ptr,                # NORMALIZE: the forward's d_t + eps (B, H, T) float32, contiguous
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     initial_state_ptr,              # S_0 (B, H, D, E) float32, read when has_initial_state
@@ -421,7 +456,6 @@ def chunked_backward_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_dob, stride_doh, stride_dot, stride_doe,
-    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -437,7 +471,8 @@ def chunked_backward_kernel(
 ):
     """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
-    q_arg, k_arg, v_arg, do_arg, o_arg, denominator_arg = q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, denominator_ptr
+    q_arg, k_arg, v_arg, do_arg = q_ptr, k_ptr, v_ptr, do_ptr
+    grad_denominator_arg, denominator_arg = grad_denominator_ptr, denominator_ptr
     dq_arg, dk_arg, dv_arg, initial_state_arg, g_arg = dq_ptr, dk_ptr, dv_ptr, initial_state_ptr, g_ptr
     # Two walks over the chunks.
     # Forward walk, dQ: with P_c = S_c^T = S_0^T + sum over chunks up to c of V^T K (E x D) and
@@ -452,8 +487,8 @@ def chunked_backward_kernel(
     # run the plain backward on g, and d_t, a causal product of q and k with values 1, adds r_t to
     # every visible score gradient, r_t z_{c-1} to dq_t (z_{c-1}: z_0 and the earlier chunks' keys),
     # and to dk_s the sum of r_t q_t over the later chunks' tokens and the final z's gradient
-    # (dz, carried next to R; what it ends as is dz_0). One program holds every column of a token,
-    # so r_t is computed here.
+    # (dz, carried next to R; what it ends as is dz_0). r_t comes made, one number a token, from
+    # normalizer_gradient_kernel.
     # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -488,7 +523,7 @@ def chunked_backward_kernel(
     mask_d = offs_d < D
     mask_e = offs_e < E
     num_chunks = (T + CHUNK - 1) // CHUNK
-    o_ptr += b * stride_ob + h * stride_oh
+    grad_denominator_ptr += (b * H + h) * T
     denominator_ptr += (b * H + h) * T
     # As in chunked_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose tiles
     # held an inf or NaN is redone one token at a time after the loops.
@@ -521,8 +556,8 @@ def chunked_backward_kernel(
                 b_k = b_k.to(tl.float32)
             if NORMALIZE:
                 b_do, b_grad_denominator = _normalizer_gradients(
-                    b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
-                    MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                    b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                    INTERPRETED)
                 b_vt = b_vt.to(MIXED_DOT_DTYPE)
                 b_k = b_k.to(MIXED_DOT_DTYPE)
             b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION)          # [C, C]
@@ -548,10 +583,10 @@ def chunked_backward_kernel(
                 v_arg + batch * stride_vb + h_dq * stride_vh + first * stride_vt,
                 k_arg + batch * stride_kb + h_dq * stride_kh + first * stride_kt,
                 dq_arg + batch * stride_dqb + h_dq * stride_dqh + first * stride_dqt,
-                o_arg + batch * stride_ob + h_dq * stride_oh, denominator_arg + row * T_dq,
+                grad_denominator_arg + row * T_dq, denominator_arg + row * T_dq,
                 initial_state_arg + (row // H) * stride_s0b + h_dq * stride_s0h, has_initial_state,
                 T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
-                stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+                stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
@@ -582,8 +617,8 @@ def chunked_backward_kernel(
             b_do = b_do.to(tl.float32)
         if NORMALIZE:
             b_do, b_grad_denominator = _normalizer_gradients(
-                b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
-                MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                INTERPRETED)
             b_q = b_q.to(MIXED_DOT_DTYPE)
             b_k = b_k.to(MIXED_DOT_DTYPE)
             b_v = b_v.to(MIXED_DOT_DTYPE)
@@ -628,10 +663,10 @@ def chunked_backward_kernel(
             do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
             dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
             dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
-            o_arg + batch * stride_ob + h * stride_oh,
-            denominator_arg + row * tokens, g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
+            grad_denominator_arg + row * tokens, denominator_arg + row * tokens,
+            g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
             stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
             BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
@@ -874,6 +909,21 @@ def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides, normal
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
 
 
+#: Tokens a program of ``normalizer_gradient_kernel`` takes.
+NORMALIZER_GRADIENT_TOKENS = 64
+
+
+def _normalizer_gradient(grad_o, o, denominator):
+    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``)."""
+    B, H, T, E = o.shape
+    grad_denominator = torch.empty_like(denominator)
+    with _launch_guard():
+        normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
+            grad_o, o, denominator, grad_denominator, T, H, E, *grad_o.stride(), *o.stride(),
+            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret)
+    return grad_denominator
+
+
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
                      cu_seqlens=None, o=None, denominator=None):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
@@ -895,13 +945,16 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     dq_arg = dk if dq is None else dq
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
-    o_arg, denominator_arg = (o, denominator) if normalize else (grad_o, ds0)
+    if normalize:
+        grad_denominator = _normalizer_gradient(grad_o, o, denominator)
+    else:
+        grad_denominator = denominator = ds0
     with _launch_guard():
         chunked_backward_kernel[(B * H,)](
-            q, k, v, grad_o, o_arg, denominator_arg, dq_arg, dk, dv, s0_arg, g_arg, ds0,
+            q, k, v, grad_o, grad_denominator, denominator, dq_arg, dk, dv, s0_arg, g_arg, ds0,
             ds0 if cu_seqlens is None else cu_seqlens, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
-            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
             IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
         )
