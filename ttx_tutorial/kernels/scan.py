@@ -27,10 +27,11 @@ S_0 and S_T included): pass 1 sums the segment's keys beside U, pass 2 scans the
 rest, and pass 3 carries z through its chunks, forms d_t + eps = the row sum of the chunk's
 masked scores + q_t . z_{c-1} + eps and divides before the store (and keeps d_t + eps for the
 backward). The backward runs on g_t = dO_t / (d_t + eps) with r_t = -(g_t . out_t), the
-denominator's gradient, beside it (a column of r next to g, a column of 1 next to v): the suffix
-states' pass 1 (``NORMALIZER_GRADIENT``) makes g and r from dO, o and d + eps and sums r_t q_t as
-their column E, and the fused backward makes them again and adds r to the score gradients,
-r_t z to dQ and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
+denominator's gradient, beside it (a column of r next to g, a column of 1 next to v):
+``normalizer_gradient_kernel`` makes r from dO, o and d + eps in one read of both, the suffix
+states' pass 1 (``NORMALIZER_GRADIENT``) makes g from dO and d + eps and sums r_t q_t as their
+column E, and the fused backward makes g again and adds r to the score gradients, r_t z to dQ
+and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
 [v, 1] and pass 3 runs thrice on them, in float32.
 ``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
 and k by phi(q), phi(k) as passes 1 and 3 and the backward's load them, in float32 then rounded
@@ -231,24 +232,25 @@ def _outputs_token_by_token(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, tokens, rever
 
 
 @triton.jit
-def _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                     NORMALIZE: tl.constexpr):
+def _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e, stride_dot, stride_doe,
+                     NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(g_t, r_t) in float32 for one token: dO_t and 0, or with NORMALIZE the numerator's gradient
-    g_t = dO_t / (d_t + eps) and the denominator's r_t = -(g_t . out_t) (see scan_backward_kernel)."""
-    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)
+    g_t = dO_t / (d_t + eps), rounded as the chunk walks round it, and the denominator's r_t
+    (``normalizer_gradient_kernel``, made from the same rounded g; see scan_backward_kernel)."""
+    b_g = tl.load(do_ptr + t * stride_dot + offs_e * stride_doe, mask=mask_e, other=0.0)
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if b_g.dtype == tl.bfloat16 else tl.float32
+    b_g = b_g.to(tl.float32)
     b_grad_denominator = 0.0
     if NORMALIZE:
-        b_g = b_g / tl.load(denominator_ptr + t)
-        b_o = tl.load(o_ptr + t * stride_ot + offs_e * stride_oe, mask=mask_e, other=0.0).to(tl.float32)
-        b_grad_denominator = -tl.sum(b_g * b_o, 0)
+        b_g = _rounded(b_g / tl.load(denominator_ptr + t), MIXED_DTYPE, INTERPRETED).to(tl.float32)
+        b_grad_denominator = tl.load(grad_denominator_ptr + t)
     return b_g, b_grad_denominator
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, denominator_ptr, start_ptr, tokens,
-                                    D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd,
-                                    stride_qt, stride_qd, stride_dqt, stride_dqd, stride_ot, stride_oe,
-                                    stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, grad_denominator_ptr, denominator_ptr,
+                                    start_ptr, tokens, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt,
+                                    stride_kd, stride_qt, stride_qd, stride_dqt, stride_dqd, stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                     NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
     at a time: P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t from the start state's
@@ -264,8 +266,8 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, 
     if NORMALIZE:
         b_z = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for t in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
-        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
-                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, NORMALIZE, INTERPRETED)
         b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
         b_k = _features(b_k, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + offs_e * stride_ve, mask=mask_e, other=0.0).to(tl.float32)
@@ -282,11 +284,11 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, o_ptr, 
 
 
 @triton.jit
-def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, o_ptr, denominator_ptr,
-                                        start_ptr, tokens, D, E,
+def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr,
+                                        denominator_ptr, start_ptr, tokens, D, E,
                                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve,
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
-                                        stride_ot, stride_oe, stride_sd, stride_se, BLOCK_D: tl.constexpr,
+                                        stride_sd, stride_se, BLOCK_D: tl.constexpr,
                                         BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
                                         INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for the segment's tokens, last first, from its suffix state R, one token
@@ -304,8 +306,8 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
         b_dz = tl.load(start_ptr + offs_d * stride_sd + E * stride_se, mask=mask_d, other=0.0)
     for i in tl.range(tokens, num_stages=1, loop_unroll_factor=1, disable_licm=True):
         t = tokens - 1 - i
-        b_g, b_grad_denominator = _token_gradients(do_ptr, o_ptr, denominator_ptr, t, offs_e, mask_e,
-                                                   stride_dot, stride_doe, stride_ot, stride_oe, NORMALIZE)
+        b_g, b_grad_denominator = _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, mask_e,
+                                                   stride_dot, stride_doe, NORMALIZE, INTERPRETED)
         b_q = tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0)
         b_k = tl.load(k_ptr + t * stride_kt + offs_d * stride_kd, mask=mask_d, other=0.0)
         b_q = _features(b_q, mask_d, FEATURE_MAP, INTERPRETED).to(tl.float32)
@@ -325,38 +327,69 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
 
 
 @triton.jit
-def _normalizer_gradients(b_do, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+def _normalizer_gradients(b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
                           MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(g, r) of a chunk of the normalised backward, from dO, the forward's output and its d + eps:
-    g_t = dO_t / (d_t + eps), the numerator's gradient, as a product operand (bfloat16 for
-    bfloat16 inputs; float32 for float16, whose range g leaves at long T), and r_t = -(g_t . out_t)
-    in float32, the denominator's, from the rounded g, so that g_t . v_s + r_t cancels where it
-    should (v_s ~ out_t). Needs every value column of the chunk's tokens (BLOCK_E >= E)."""
-    b_o = tl.load(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
-                  mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    """(g, r) of a chunk of the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
+    gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
+    g leaves at long T), and the denominator's r_t, read from ``normalizer_gradient_kernel``'s
+    output: a number per token, where making it here would load a tile of o every chunk."""
     b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
     b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-    b_grad_denominator = -tl.sum(b_g.to(tl.float32) * b_o.to(tl.float32), 1)
-    return b_g, b_grad_denominator
+    return b_g, tl.load(grad_denominator_ptr + offs_t, mask=mask_t, other=0.0)
 
 
 @triton.jit
-def _normalized_chunk_sum(b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_k, mask_t, mask_e,
-                          stride_ot, stride_oe, NORMALIZER_GRADIENT: tl.constexpr, FEATURE_MAP: tl.constexpr,
+def normalizer_gradient_kernel(
+    do_ptr, o_ptr,                  # dO and the normalised forward's output (B, H, T, E)
+    denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
+    grad_denominator_ptr,           # r (B, H, T) float32, contiguous, written
+    T, H, E,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,          # >= E: r sums over every value column
+    INTERPRETED: tl.constexpr,
+):
+    """The denominator's gradient r_t = -(g_t . out_t) for BLOCK_T tokens of one (batch, head),
+    g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
+    inputs), so that the score gradients g_t . v_s + r_t cancel where they should (v_s ~ out_t).
+    FlashAttention's backward starts the same way (the row sums of dO * O): one read of dO and o
+    here spares the backward's walks a tile of o a chunk, a load their pipeline left waiting.
+    Tokens only: packed sequences need no table here."""
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if do_ptr.dtype.element_ty == tl.bfloat16 else tl.float32
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_e < E)[None, :]
+    b_do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot
+                   + offs_e[None, :] * stride_doe, mask=mask, other=0.0)
+    b_o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                  mask=mask, other=0.0)
+    row = pid_bh.to(tl.int64) * T
+    b_denominator = tl.load(denominator_ptr + row + offs_t, mask=mask_t, other=1.0)
+    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(tl.float32)
+    tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
+
+
+@triton.jit
+def _normalized_chunk_sum(b_sum, b_z, b_k, b_v, grad_denominator_ptr, denominator_ptr, offs_t, mask_k, mask_t,
+                          NORMALIZER_GRADIENT: tl.constexpr, FEATURE_MAP: tl.constexpr,
                           FLOAT32_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """Pass 1's step for one chunk of the normalised attention: (sum + K^T V, z + the keys' sum),
     k mapped by FEATURE_MAP first (``mask_k``: its tokens and D). NORMALIZER_GRADIENT, where k and
-    v are q and dO: (sum + Q^T g, z + sum of r_t q_t), g and r made from dO, o and d + eps as
-    scan_backward_kernel's walks make them (``_normalizer_gradients``)."""
+    v are q and dO: (sum + Q^T g, z + sum of r_t q_t), g made from dO and d + eps, and r read, as
+    scan_backward_kernel's walks do (``_normalizer_gradients``)."""
     INPUT_DTYPE: tl.constexpr = b_k.dtype
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     b_k = _features(b_k, mask_k, FEATURE_MAP, INTERPRETED)
     if NORMALIZER_GRADIENT:
-        b_g, b_grad_denominator = _normalizer_gradients(b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t, mask_e,
-                                                        stride_ot, stride_oe, MIXED_DTYPE, MIXED_DOT_DTYPE,
-                                                        INTERPRETED)
+        b_g, b_grad_denominator = _normalizer_gradients(b_v, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
+                                                        MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
         b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION)
         b_z += tl.sum(b_grad_denominator[:, None] * b_k.to(tl.float32), 0)
     else:
@@ -381,14 +414,13 @@ def scan_summaries_kernel(
     initial_state_ptr,              # S_0 of the walk (B, H, D, W) float32, read through its strides
     arrivals_ptr,                   # int32 (B*H * value blocks,), zeros: finished programs so far
     segments_ptr,                   # IS_VARLEN: int32 segment table (see _segment_table)
-    o_ptr,                          # NORMALIZER_GRADIENT: the normalised forward's output (B, H, T, E)
-    denominator_ptr,                # NORMALIZER_GRADIENT: its d_t + eps (B, H, T) float32, contiguous
+    grad_denominator_ptr,           # NORMALIZER_GRADIENT: r (B, H, T) float32, contiguous (normalizer_gradient_kernel)
+    denominator_ptr,                # NORMALIZER_GRADIENT: the forward's d_t + eps (B, H, T) float32, contiguous
     T, H, D, E,
     segment_len, n_segments,        # L (a multiple of CHUNK) and NS = cdiv(T, L)
     reverse,                        # 1: walk segments from last to first
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
-    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_s0b, stride_s0h, stride_s0d, stride_s0e,
     BLOCK_D: tl.constexpr,          # >= D: the whole key dimension lives in one program
     BLOCK_E: tl.constexpr,          # the value columns this program owns
@@ -397,8 +429,8 @@ def scan_summaries_kernel(
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
     IS_VARLEN: tl.constexpr,        # k, v hold sequences packed along T of one row (see _segment_table)
     NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
-    NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE,
-                                    # BLOCK_E >= E): S sums q_t g_t^T and z sums r_t q_t
+    NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE):
+                                    # S sums q_t g_t^T and z sums r_t q_t
     FEATURE_MAP: tl.constexpr,      # NORMALIZE: k is mapped by "elu" or "relu" as loaded, or "identity"
 ):
     """Pass 1: the sum K^T V of the w-th walked segment (w < NS - 1) into slot w + 1 (NORMALIZE:
@@ -434,7 +466,7 @@ def scan_summaries_kernel(
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), segment_start.to(tl.int64)
     k_ptr += b64 * stride_kb + h64 * stride_kh + start64 * stride_kt
     v_ptr += b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
-    o_ptr += b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+    grad_denominator_ptr += (b64 * H + h64) * T + start64
     denominator_ptr += (b64 * H + h64) * T + start64
 
     b_sum = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
@@ -448,8 +480,8 @@ def scan_summaries_kernel(
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)
         if NORMALIZE:  # z beside the sum, and the backward's g and r (_normalized_chunk_sum)
             b_sum, b_z = _normalized_chunk_sum(
-                b_sum, b_z, b_k, b_v, o_ptr, denominator_ptr, offs_t, offs_e, mask_t[:, None] & mask_d[None, :],
-                mask_t, mask_e, stride_ot, stride_oe, NORMALIZER_GRADIENT, FEATURE_MAP, FLOAT32_PRECISION,
+                b_sum, b_z, b_k, b_v, grad_denominator_ptr, denominator_ptr, offs_t, mask_t[:, None] & mask_d[None, :],
+                mask_t, NORMALIZER_GRADIENT, FEATURE_MAP, FLOAT32_PRECISION,
                 INTERPRETED)
         else:
             b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
@@ -736,7 +768,7 @@ def scan_outputs_kernel(
 @triton.jit
 def scan_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,    # inputs: q, k (B, H, T, D), v and dO (B, H, T, E)
-    o_ptr,                          # NORMALIZE: the forward's output (B, H, T, E)
+    grad_denominator_ptr,           # NORMALIZE: r (B, H, T) float32, contiguous (normalizer_gradient_kernel)
     denominator_ptr,                # NORMALIZE: the forward's d_t + eps (B, H, T) float32, contiguous
     dq_ptr, dk_ptr, dv_ptr,         # outputs (B, H, T, D), (B, H, T, D), (B, H, T, E), input dtype
     forward_start_ptr,              # float32 S each segment's forward walk starts from (walk = segment)
@@ -753,7 +785,6 @@ def scan_backward_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_dob, stride_doh, stride_dot, stride_doe,
-    stride_ob, stride_oh, stride_ot, stride_oe,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -786,12 +817,12 @@ def scan_backward_kernel(
     joins every visible score gradient (dO_c V_c^T and V_c dO_c^T), dQ_c gains r_t z_{c-1} (z
     from the forward start state's column E, plus the earlier chunks' keys), and dK_c gains dz,
     the suffix state's column E, G_z plus r_t q_t of the later tokens; what dz ends as is dz_0.
-    One program holds every column of a token, so g and r are made here.
+    g is made here, r read (one number a token, from ``normalizer_gradient_kernel``).
     FEATURE_MAP: q and k are mapped as loaded, as in the forward, the walks run on phi(q), phi(k),
     and the gradients of phi(q) and phi(k) are taken through the map before their store."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see below).
     q_arg, k_arg, v_arg, do_arg, dq_arg, dk_arg, dv_arg = q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr
-    o_arg, denominator_arg = o_ptr, denominator_ptr
+    grad_denominator_arg, denominator_arg = grad_denominator_ptr, denominator_ptr
     STATE_WIDTH_EXTRA: tl.constexpr = 1 if NORMALIZE else 0
     forward_start_arg, suffix_start_arg = forward_start_ptr, suffix_start_ptr
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
@@ -836,7 +867,7 @@ def scan_backward_kernel(
             v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
             do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
             dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
-            o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+            grad_denominator_base = grad_denominator_ptr + (b64 * H + h64) * T + start64
             denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
             # P = S^T, E x D, and z from column E of S
             forward_start = forward_start_ptr + b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw
@@ -865,7 +896,7 @@ def scan_backward_kernel(
                 b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
                 if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
                     b_do, b_grad_denominator = _normalizer_gradients(
-                        b_do, o_base, denominator_base, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                        b_do, grad_denominator_base, denominator_base, offs_t, mask_t,
                         MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
                     b_vt = tl.trans(b_v).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
                     b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION) + b_grad_denominator[:, None]
@@ -900,22 +931,22 @@ def scan_backward_kernel(
                     v_base = v_ptr + b64 * stride_vb + h64 * stride_vh + start64 * stride_vt
                     do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
                     dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + start64 * stride_dqt
-                    o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+                    grad_denominator_base = grad_denominator_ptr + (b64 * H + h64) * T + start64
                     denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
                     if starts:
                         _query_gradients_token_by_token(
-                            do_base, v_base, k_base, q_base, dq_base, o_base, denominator_base,
+                            do_base, v_base, k_base, q_base, dq_base, grad_denominator_base, denominator_base,
                             initial_state_ptr + seq * stride_s0b + h64 * stride_s0h, tokens, D, E,
                             stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
-                            stride_dqt, stride_dqd, stride_ot, stride_oe, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E,
+                            stride_dqt, stride_dqd, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E,
                             NORMALIZE, FEATURE_MAP, INTERPRETED)
                     else:
                         _query_gradients_token_by_token(
-                            do_base, v_base, k_base, q_base, dq_base, o_base, denominator_base,
+                            do_base, v_base, k_base, q_base, dq_base, grad_denominator_base, denominator_base,
                             forward_start_ptr + b64 * stride_fb + h64 * stride_fh + segment.to(tl.int64) * stride_fw,
                             tokens, D, E,
                             stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
-                            stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E,
+                            stride_dqt, stride_dqd, stride_fd, stride_fe, BLOCK_D, BLOCK_E,
                             NORMALIZE, FEATURE_MAP, INTERPRETED)
                 else:
                     redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
@@ -926,12 +957,12 @@ def scan_backward_kernel(
                         k_arg + redo_b * stride_kb + redo_h * stride_kh + redo_first * stride_kt,
                         q_arg + redo_b * stride_qb + redo_h * stride_qh + redo_first * stride_qt,
                         dq_arg + redo_b * stride_dqb + redo_h * stride_dqh + redo_first * stride_dqt,
-                        o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                        grad_denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                         denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                         forward_start_arg + redo_b * stride_fb + redo_h * stride_fh + redo_walk * stride_fw,
                         redo_tokens, D, E,
                         stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
-                        stride_dqt, stride_dqd, stride_ot, stride_oe, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
+                        stride_dqt, stride_dqd, stride_fd, stride_fe, BLOCK_D, BLOCK_E, NORMALIZE,
                         FEATURE_MAP, INTERPRETED)
 
     upper = offs_c[:, None] <= offs_c[None, :]
@@ -950,7 +981,7 @@ def scan_backward_kernel(
         do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
         dk_base = dk_ptr + b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
         dv_base = dv_ptr + b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
-        o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+        grad_denominator_base = grad_denominator_ptr + (b64 * H + h64) * T + start64
         denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
         suffix_start = (suffix_start_ptr + b64 * stride_rb + h64 * stride_rh
                         + (n_segments - 1 - segment).to(tl.int64) * stride_rw)
@@ -980,7 +1011,7 @@ def scan_backward_kernel(
             b_kq = tl.where(upper, b_kq, 0.0)
             if NORMALIZE:  # g and r in place of dO, as in the forward walk
                 b_do, b_grad_denominator = _normalizer_gradients(
-                    b_do, o_base, denominator_base, offs_t, offs_e, mask_t, mask_e, stride_ot, stride_oe,
+                    b_do, grad_denominator_base, denominator_base, offs_t, mask_t,
                     MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
                 b_vdo = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_do),
                                input_precision=FLOAT32_PRECISION)
@@ -1036,22 +1067,22 @@ def scan_backward_kernel(
                 do_base = do_ptr + b64 * stride_dob + h64 * stride_doh + start64 * stride_dot
                 dk_base = dk_ptr + b64 * stride_dkb + h64 * stride_dkh + start64 * stride_dkt
                 dv_base = dv_ptr + b64 * stride_dvb + h64 * stride_dvh + start64 * stride_dvt
-                o_base = o_ptr + b64 * stride_ob + h64 * stride_oh + start64 * stride_ot
+                grad_denominator_base = grad_denominator_ptr + (b64 * H + h64) * T + start64
                 denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
                 if starts:
                     _key_value_gradients_token_by_token(
-                        q_base, k_base, v_base, do_base, dk_base, dv_base, o_base, denominator_base,
+                        q_base, k_base, v_base, do_base, dk_base, dv_base, grad_denominator_base, denominator_base,
                         grad_final_ptr + seq * stride_gb + h64 * stride_gh, tokens, D, E,
                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_gd, stride_ge,
+                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
                         BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
                 else:
                     _key_value_gradients_token_by_token(
-                        q_base, k_base, v_base, do_base, dk_base, dv_base, o_base, denominator_base,
+                        q_base, k_base, v_base, do_base, dk_base, dv_base, grad_denominator_base, denominator_base,
                         suffix_start_ptr + b64 * stride_rb + h64 * stride_rh
                         + (n_segments - 1 - segment).to(tl.int64) * stride_rw, tokens, D, E,
                         stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
+                        stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_rd, stride_re,
                         BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
             else:
                 redo_b, redo_h, redo_walk, redo_first, redo_tokens, _ = _segment_after_loop(
@@ -1063,13 +1094,13 @@ def scan_backward_kernel(
                     do_arg + redo_b * stride_dob + redo_h * stride_doh + redo_first * stride_dot,
                     dk_arg + redo_b * stride_dkb + redo_h * stride_dkh + redo_first * stride_dkt,
                     dv_arg + redo_b * stride_dvb + redo_h * stride_dvh + redo_first * stride_dvt,
-                    o_arg + redo_b * stride_ob + redo_h * stride_oh + redo_first * stride_ot,
+                    grad_denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                     denominator_arg + (redo_b * H + redo_h) * T + redo_first,
                     suffix_start_arg + redo_b * stride_rb + redo_h * stride_rh
                     + (n_segments - 1 - redo_walk) * stride_rw,
                     redo_tokens, D, E,
                     stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-                    stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_ot, stride_oe, stride_rd, stride_re,
+                    stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_rd, stride_re,
                     BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
@@ -1405,14 +1436,14 @@ def _slot_columns(E, normalize):
     return (E // 16 + 1) * 16 if normalize else E
 
 
-def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, o=None, denominator=None,
-                    feature_map="identity"):
+def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=False, grad_denominator=None,
+                    denominator=None, feature_map="identity"):
     """Passes 1 and 2 (one launch): the state each segment starts from, in walk order.
     ``segments``: the table of packed sequences (``_segment_table``), or None. ``normalize``:
-    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With the
-    normalised forward's ``o`` and ``denominator``, the normalised backward's suffix states
-    (NORMALIZER_GRADIENT): k and v are q and dO, S sums q_t g_t^T and z sums r_t q_t, one value
-    block holding every column.
+    z (the keys' sum) in column E of the states (rows padded, ``_slot_columns``). With
+    ``grad_denominator`` (``_normalizer_gradient``'s r) and the forward's ``denominator``, the
+    normalised backward's suffix states (NORMALIZER_GRADIENT): k and v are q and dO, S sums
+    q_t g_t^T and z sums r_t q_t.
     ``feature_map`` maps k (q) as the kernel loads it."""
     B, H, T, D = k.shape
     E = v.shape[-1]
@@ -1421,19 +1452,19 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
         return initial
     gradient = denominator is not None
     block_d, chunk = _block(D), config["CHUNK"]
-    block_e = _block(E) if gradient else config["BLOCK_E"]  # r_t needs every column of g_t and out_t
+    block_e = config["BLOCK_E"]
     e_blocks = -(-E // block_e)
     width = _slot_columns(E, normalize)
     states = torch.empty(B * H, n_segments, D, width, device=k.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H * e_blocks, device=k.device, dtype=torch.int32)
     sb, sh, _, sd, se = initial.strides
     # Stand-ins for the pointers a launch without NORMALIZER_GRADIENT never follows.
-    o_arg, denominator_arg = (o, denominator) if gradient else (v, arrivals)
+    grad_denominator_arg, denominator_arg = (grad_denominator, denominator) if gradient else (arrivals, arrivals)
     with _launch_guard():
         scan_summaries_kernel[(B * H * (n_segments - 1) * e_blocks,)](
             k, v, states, initial.tensor, arrivals, arrivals if segments is None else segments,
-            o_arg, denominator_arg, T, H, D, E, config["SEGMENT_LEN"], n_segments,
-            int(reverse), *k.stride(), *v.stride(), *o_arg.stride(), sb, sh, sd, se,
+            grad_denominator_arg, denominator_arg, T, H, D, E, config["SEGMENT_LEN"], n_segments,
+            int(reverse), *k.stride(), *v.stride(), sb, sh, sd, se,
             BLOCK_D=block_d, BLOCK_E=block_e, CHUNK=chunk, INTERPRETED=triton.knobs.runtime.interpret,
             FLOAT32_PRECISION=config["FLOAT32_PRECISION"], IS_VARLEN=segments is not None,
             NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient, FEATURE_MAP=feature_map,
@@ -1504,13 +1535,28 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
     return o, final_state, starts, resolved["SEGMENT_LEN"], segments, denominator
 
 
+#: Tokens a program of ``normalizer_gradient_kernel`` takes.
+NORMALIZER_GRADIENT_TOKENS = 64
+
+
+def _normalizer_gradient(grad_o, o, denominator):
+    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``)."""
+    B, H, T, E = o.shape
+    grad_denominator = torch.empty_like(denominator)
+    with _launch_guard():
+        normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
+            grad_o, o, denominator, grad_denominator, T, H, E, *grad_o.stride(), *o.stride(),
+            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret)
+    return grad_denominator
+
+
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
-                     forward_initial, grad_final, segments=None, n_sequences=None, o=None, denominator=None,
-                     feature_map="identity"):
+                     forward_initial, grad_final, segments=None, n_sequences=None, grad_denominator=None,
+                     denominator=None, feature_map="identity"):
     """The fused pass 3 of the backward: (dq or None, dk, dv, dS_0); packed (``segments``), dS_0
     is (n_sequences, H, D, E), and pieces start from their sequence's row of ``forward_initial``
-    (S_0) or ``grad_final`` (G), both ``_States``. With the forward's ``o`` and ``denominator``, the normalised
-    backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last, and q, k are
+    (S_0) or ``grad_final`` (G), both ``_States``. With ``grad_denominator`` (r) and the forward's
+    ``denominator``, the normalised backward (NORMALIZE): the states and dS_0 then have E + 1 columns, z (dz) last, and q, k are
     mapped by the forward's ``feature_map``."""
     B, H, T, D = q.shape
     E = v.shape[-1]
@@ -1523,13 +1569,14 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     ds0 = torch.empty(B if segments is None else n_sequences, H, D, E + normalize, device=q.device,
                       dtype=torch.float32)
     dq_arg = dk if dq is None else dq  # a stand-in pointer the kernel never follows
-    o_arg, denominator_arg = (o, denominator) if normalize else (grad_o, ds0)  # stand-ins likewise
+    grad_denominator_arg, denominator_arg = (grad_denominator, denominator) if normalize else (ds0, ds0)  # likewise
     with _launch_guard():
         scan_backward_kernel[(B * H * n_segments,)](
-            q, k, v, grad_o, o_arg, denominator_arg, dq_arg, dk, dv, forward_starts.tensor, suffix_starts.tensor,
+            q, k, v, grad_o, grad_denominator_arg, denominator_arg, dq_arg, dk, dv, forward_starts.tensor,
+            suffix_starts.tensor,
             forward_initial.tensor, grad_final.tensor,
             ds0, ds0 if segments is None else segments, T, H, D, E, segment_len, n_segments, int(compute_dq),
-            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o_arg.stride(), *dq_arg.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *forward_starts.strides, *suffix_starts.strides,
             *_without_walk(forward_initial.strides), *_without_walk(grad_final.strides),
             BLOCK_D=fused["BLOCK_D"], BLOCK_E=fused["BLOCK_E"], CHUNK=fused["CHUNK"],
@@ -1705,13 +1752,15 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1],
                                       normalize=True)
         if fused is not None:
+            grad_denominator = _normalizer_gradient(grad_o, o, denominator)
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config, segments=segments,
-                                            normalize=True, o=o, denominator=denominator,
-                                            feature_map=ctx.feature_map)
+                                            normalize=True, grad_denominator=grad_denominator,
+                                            denominator=denominator, feature_map=ctx.feature_map)
             dq, dk, dv, d_initial = _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts,
                                                      segment_len=ctx.segment_len, fused=fused, compute_dq=needs[0],
                                                      forward_initial=forward_initial, grad_final=grad_final,
-                                                     o=o, denominator=denominator, feature_map=ctx.feature_map,
+                                                     grad_denominator=grad_denominator, denominator=denominator,
+                                                     feature_map=ctx.feature_map,
                                                      **packed)
         else:
             dq, dk, dv, d_initial = _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts,
