@@ -82,23 +82,16 @@ def test_launches_follow_the_setting_at_each_call(family, matmul_precision, devi
                     if "FLOAT32_PRECISION" in kwargs} == {expected}, (setting, inputs[0].dtype)
 
 
-def _chunked_rule(D, E, precision):
-    return chunked.default_config(D, E, torch.float32, float32_precision=precision)
-
-
 def test_chunked_float32_configs_are_tensor_core_tiles():
     """Tensor-core precisions need tensor-core tiles: chunks and value blocks of at least 32 up to
-    D = 128, as the 16-bit configs; the precision may change the warps only."""
+    D = 128, as the 16-bit configs, within the nominal shared memory; one rule serves 3xTF32
+    and TF32."""
     for D, E in ((16, 16), (64, 64), (128, 128), (100, 200), (256, 256)):
-        for precision in ("tf32x3", "tf32"):
-            config = _chunked_rule(D, E, precision)
-            assert config["CHUNK"] >= 32 or D > 128, (D, E, precision, config)
-            assert config["BLOCK_E"] >= 32, (D, E, precision, config)
-            assert chunked._shared_memory_estimate(chunked._block(D), config, torch.float32) \
-                <= chunked._NOMINAL_LIMITS[1]
-        exact, fast = _chunked_rule(D, E, "tf32x3"), _chunked_rule(D, E, "tf32")
-        assert {key: value for key, value in exact.items() if key != "num_warps"} == \
-            {key: value for key, value in fast.items() if key != "num_warps"}
+        config = chunked.default_config(D, E, torch.float32)
+        assert config["CHUNK"] >= 32 or D > 128, (D, E, config)
+        assert config["BLOCK_E"] >= 32, (D, E, config)
+        assert chunked._shared_memory_estimate(chunked._block(D), config, torch.float32) \
+            <= chunked._NOMINAL_LIMITS[1]
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -112,8 +105,9 @@ def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, dev
     multiprocessors, shared_memory = chunked._device_limits(q.device)
     rule = chunked.default_config(D, E, torch.float32, heads=B * H,
                                   multiprocessors=None if ttx_tutorial.INTERPRETED else multiprocessors,
-                                  shared_memory=shared_memory, float32_precision=EXPECTED_PRECISION[setting])
+                                  shared_memory=shared_memory)
     assert {key: kwargs[key] for key in rule} == rule
+    assert kwargs["FLOAT32_PRECISION"] == EXPECTED_PRECISION[setting]
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

@@ -734,18 +734,19 @@ def float32_precision():
     return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
 
 
-def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1],
-                   float32_precision="tf32x3"):
+def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1]):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
-    and the GPU's multiprocessors and shared memory (None: unknown); ``float32_precision``
-    ("tf32x3" or "tf32") is the product precision of float32 inputs.
+    and the GPU's multiprocessors and shared memory (None: unknown), for float32 inputs under
+    either product precision ("tf32x3" or "tf32").
 
     Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
     BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.
     - float32: tensor-core tiles as for 16-bit inputs, each twice as large: 64-token chunks up to
-      D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 8 warps, 2 stages.
-      3xTF32 also holds each operand's TF32 part and remainder; TF32 alone takes 4 warps up to
-      D = 64. The narrowing of value blocks on an idle GPU applies as for 16-bit inputs.
+      D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 2 stages.
+      3xTF32 also holds each operand's TF32 part and remainder. Up to D = 64, 4 warps (a
+      thread holds twice the state of 8 warps; timed faster under both precisions,
+      ``benchmarks/float32_sweep.py``). The narrowing of value blocks on an idle GPU applies as
+      for 16-bit inputs.
       Compiled for sm_90, 3xTF32 spills registers at these tiles, less or not at all at 16-token
       chunks; ``benchmarks/float32_sweep.py`` times both kinds.
     - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
@@ -766,8 +767,7 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
         while block_e > 32 and 2 * heads * triton.cdiv(E, block_e) < multiprocessors:
             block_e //= 2
     if dtype == torch.float32:
-        light = float32_precision == "tf32" and block_d <= 64
-        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if light else 8,
+        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if block_d <= 64 else 8,
                   "num_stages": 2}
     elif dtype == torch.bfloat16:
         config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4 if block_d * block_e <= 8192 else 8,
@@ -821,7 +821,7 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory, float32_precision=precision),
+                                       shared_memory=shared_memory),
               **dict(overrides)}
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
