@@ -327,18 +327,23 @@ def _default_16bit_head(call, head_dims=(64, 128)):
     return call["dtype"] in ("bfloat16", "float16") and D == E and D in head_dims and call["config"] is None
 
 
+#: Kernels without products or a loop over chunks: the segment table of packed sequences
+#: (scan_segments_kernel) and the normalised backward's r_t (normalizer_gradient_kernel), one
+#: elementwise read each.
+WITHOUT_PRODUCTS = ("scan_segments_kernel", "normalizer_gradient_kernel")
+
 #: Instructions the speed of a launch depends on: (family, target, which launches, what must hold).
 EXPECTED_INSTRUCTIONS = [
     # Pipelined loads: with more than one stage, chunked's loads become asynchronous copies.
-    ("chunked", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["num_stages"] > 1,
+    ("chunked", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["num_stages"] > 1
+     and r["kernel"] not in WITHOUT_PRODUCTS,
      "asynchronous copies (cp.async)", lambda r: r["async_copies"]),
-    # Hopper's warp-group tensor-core instructions in every kernel of the scan with products
-    # (scan_segments_kernel, the segment table of packed sequences, has none).
+    # Hopper's warp-group tensor-core instructions in every kernel of the scan with products.
     ("scan", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["call"]["shape"][2] >= 64
-     and r["kernel"] != "scan_segments_kernel",
+     and r["kernel"] not in WITHOUT_PRODUCTS,
      "wgmma", lambda r: any(op.startswith("wgmma") for op in r["tensor_core_instructions"])),
-    # The chunked kernels run their products on tensor cores.
-    ("chunked", "sm_80", lambda r: _default_16bit_head(r["call"]),
+    # The chunked kernels with products run them on tensor cores.
+    ("chunked", "sm_80", lambda r: _default_16bit_head(r["call"]) and r["kernel"] not in WITHOUT_PRODUCTS,
      "tensor-core mma", lambda r: bool(r["tensor_core_instructions"])),
 ]
 
