@@ -70,9 +70,9 @@ _SCAN_BELOW_PROGRAMS_PER_SM = 0.4
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
 #: float32 at full precision (3xTF32 products): the widest head for which "chunked" beats
-#: "recurrent". Measured on an H200 (benchmarks/NOTES.md): chunked faster at D = 64 (0.66 against
-#: 1.00 ms forward at (8, 16, 4096, 64)), recurrent at D = 128 (3.43 against 5.34 at (8, 16, 4096,
-#: 128), 4.96 against 9.60 at (2, 16, 16384, 128)); TF32 alone ("high") was not measured.
+#: "recurrent". Measured on an H200 (benchmarks/NOTES.md, the recorded data): chunked faster at
+#: D = 64, recurrent at D = 128; under TF32 alone ("high") chunked wins at D = 64 too, and D = 128
+#: was not measured.
 _TF32X3_WIDEST_CHUNKED_HEAD = 64
 
 
