@@ -380,10 +380,15 @@ def run(grid: list[triton.testing.Benchmark], contenders: list[Contender], copy_
 
     work = [(bench, T, name) for bench in bench_point.benchmarks for T in bench.x_vals for name in bench.line_vals]
     # Grouped by (shape, dtype), so that a point's inputs are made once for all its modes and
-    # contenders; dtypes in the order given.
+    # contenders; shapes and dtypes in the order given, so that a run cut short by a time limit
+    # has measured the first ones named.
+    def shape_of(item):
+        bench, T, _ = item
+        return bench.args["part"], bench.args["B"], bench.args["H"], T, bench.args["D"], bench.args["E"]
+
+    shape_order = {key: i for i, key in enumerate(dict.fromkeys(map(shape_of, work)))}
     dtype_order = {dtype: i for i, dtype in enumerate(dict.fromkeys(b.args["dtype"] for b in grid))}
-    work.sort(key=lambda item: (item[0].args["part"], item[0].args["B"], item[0].args["H"], item[1],
-                                item[0].args["D"], item[0].args["E"], dtype_order[item[0].args["dtype"]]))
+    work.sort(key=lambda item: (shape_order[shape_of(item)], dtype_order[item[0].args["dtype"]]))
     rows = []
     bar, write = _progress(work, "bench")
     for bench, T, name in bar:
