@@ -105,15 +105,12 @@ def _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptrs, store_mask
 
 
 @triton.jit
-def _normalizer_gradients(b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
-                          MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(g, r) of a chunk for the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
-    gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
-    g leaves at long T), and the denominator's r_t, read from ``normalizer_gradient_kernel``'s
-    output: a number per token, where making it here would load a tile of o every chunk."""
+def _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE: tl.constexpr,
+                        MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """g_t = dO_t / (d_t + eps) of a chunk for the normalised backward, as a product operand
+    (bfloat16 for bfloat16 inputs; float32 for float16, whose range g leaves at long T)."""
     b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
-    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-    return b_g, tl.load(grad_denominator_ptr + offs_t, mask=mask_t, other=0.0)
+    return _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
 
 
 @triton.jit
@@ -540,6 +537,8 @@ def chunked_backward_kernel(
         lower = offs_c[:, None] >= offs_c[None, :]
         b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
         b_p_carry = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+        if NORMALIZE:  # r a chunk ahead: the pipeline copies ahead only what feeds a product's operands
+            b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_c, mask=offs_c < T, other=0.0)
         for i in range(num_chunks):
             offs_t = i * CHUNK + offs_c
             mask_t = offs_t < T
@@ -555,9 +554,11 @@ def chunked_backward_kernel(
                 b_vt = b_vt.to(tl.float32)
                 b_k = b_k.to(tl.float32)
             if NORMALIZE:
-                b_do, b_grad_denominator = _normalizer_gradients(
-                    b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
-                    INTERPRETED)
+                b_grad_denominator = b_grad_denominator_next
+                b_grad_denominator_next = tl.load(grad_denominator_ptr + CHUNK + offs_t, mask=CHUNK + offs_t < T,
+                                                  other=0.0)
+                b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                           INTERPRETED)
                 b_vt = b_vt.to(MIXED_DOT_DTYPE)
                 b_k = b_k.to(MIXED_DOT_DTYPE)
             b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION)          # [C, C]
@@ -600,6 +601,9 @@ def chunked_backward_kernel(
     upper = offs_c[:, None] <= offs_c[None, :]
     b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
     b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    if NORMALIZE:  # r a chunk ahead, as in the forward walk
+        offs_last = (num_chunks - 1) * CHUNK + offs_c
+        b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_last, mask=offs_last < T, other=0.0)
     for i in range(num_chunks):
         offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
         mask_t = offs_t < T
@@ -616,9 +620,11 @@ def chunked_backward_kernel(
             b_v = b_v.to(tl.float32)
             b_do = b_do.to(tl.float32)
         if NORMALIZE:
-            b_do, b_grad_denominator = _normalizer_gradients(
-                b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
-                INTERPRETED)
+            b_grad_denominator = b_grad_denominator_next
+            offs_next = offs_t - CHUNK
+            b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_next, mask=offs_next >= 0, other=0.0)
+            b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                       INTERPRETED)
             b_q = b_q.to(MIXED_DOT_DTYPE)
             b_k = b_k.to(MIXED_DOT_DTYPE)
             b_v = b_v.to(MIXED_DOT_DTYPE)

@@ -327,15 +327,22 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
 
 
 @triton.jit
+def _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE: tl.constexpr,
+                        MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """g_t = dO_t / (d_t + eps) of a chunk for the normalised backward, the numerator's gradient,
+    as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range g
+    leaves at long T)."""
+    b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
+    return _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+
+
+@triton.jit
 def _normalizer_gradients(b_do, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
                           MIXED_DTYPE: tl.constexpr, MIXED_DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(g, r) of a chunk of the normalised backward: g_t = dO_t / (d_t + eps), the numerator's
-    gradient, as a product operand (bfloat16 for bfloat16 inputs; float32 for float16, whose range
-    g leaves at long T), and the denominator's r_t, read from ``normalizer_gradient_kernel``'s
-    output: a number per token, where making it here would load a tile of o every chunk."""
-    b_denominator = tl.load(denominator_ptr + offs_t, mask=mask_t, other=1.0)
-    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-    return b_g, tl.load(grad_denominator_ptr + offs_t, mask=mask_t, other=0.0)
+    """(g, r) of a chunk of the normalised backward: ``_numerator_gradient`` and the denominator's
+    r_t, read from ``normalizer_gradient_kernel``'s output (a number per token)."""
+    return (_numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED),
+            tl.load(grad_denominator_ptr + offs_t, mask=mask_t, other=0.0))
 
 
 @triton.jit
@@ -883,6 +890,8 @@ def scan_backward_kernel(
                 b_p, b_z = _transposed_start_state(forward_start, stride_fd, stride_fe, offs_d, offs_e, mask_d, mask_e,
                                                    E, NORMALIZE)
             b_dq_seen = tl.zeros([CHUNK], dtype=tl.float32)
+            if NORMALIZE:  # r a chunk ahead: the pipeline copies ahead only what feeds a product's operands
+                b_grad_denominator_next = tl.load(grad_denominator_base + offs_c, mask=offs_c < tokens, other=0.0)
             for i in range(0, n_chunks):
                 offs_t = i * CHUNK + offs_c
                 mask_t = offs_t < tokens
@@ -895,9 +904,11 @@ def scan_backward_kernel(
                               mask=mask_td, other=0.0)                                   # [C, D]
                 b_k = _features(b_k, mask_td, FEATURE_MAP, INTERPRETED)
                 if NORMALIZE:  # g (a product operand) and r in place of dO; every operand as g
-                    b_do, b_grad_denominator = _normalizer_gradients(
-                        b_do, grad_denominator_base, denominator_base, offs_t, mask_t,
-                        MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                    b_grad_denominator = b_grad_denominator_next
+                    b_grad_denominator_next = tl.load(grad_denominator_base + CHUNK + offs_t,
+                                                      mask=CHUNK + offs_t < tokens, other=0.0)
+                    b_do = _numerator_gradient(b_do, denominator_base, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                               INTERPRETED)
                     b_vt = tl.trans(b_v).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE)
                     b_scores = tl.dot(b_do, b_vt, input_precision=FLOAT32_PRECISION) + b_grad_denominator[:, None]
                 else:
@@ -995,6 +1006,10 @@ def scan_backward_kernel(
         else:
             b_r, b_dz = _start_state(suffix_start, stride_rd, stride_re, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)
         b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
+        if NORMALIZE:  # r a chunk ahead, as in the forward walk
+            offs_last = (n_chunks - 1) * CHUNK + offs_c
+            b_grad_denominator_next = tl.load(grad_denominator_base + offs_last,
+                                              mask=(offs_last >= 0) & (offs_last < tokens), other=0.0)
         for i in range(0, n_chunks):
             offs_t = (n_chunks - 1 - i) * CHUNK + offs_c
             mask_t = offs_t < tokens
@@ -1010,9 +1025,11 @@ def scan_backward_kernel(
             b_kq = tl.dot(b_k.to(DOT_DTYPE), tl.trans(b_q).to(DOT_DTYPE), input_precision=FLOAT32_PRECISION)
             b_kq = tl.where(upper, b_kq, 0.0)
             if NORMALIZE:  # g and r in place of dO, as in the forward walk
-                b_do, b_grad_denominator = _normalizer_gradients(
-                    b_do, grad_denominator_base, denominator_base, offs_t, mask_t,
-                    MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
+                b_grad_denominator = b_grad_denominator_next
+                offs_next = offs_t - CHUNK
+                b_grad_denominator_next = tl.load(grad_denominator_base + offs_next, mask=offs_next >= 0, other=0.0)
+                b_do = _numerator_gradient(b_do, denominator_base, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                           INTERPRETED)
                 b_vdo = tl.dot(b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), tl.trans(b_do),
                                input_precision=FLOAT32_PRECISION)
                 b_vdo += b_grad_denominator[None, :]
