@@ -20,7 +20,8 @@ Each row reports:
 - ``host_us``: the host's time per call in a loop that never waits for the GPU (what Python,
   the launcher and autograd cost; a call is host-bound when this exceeds ``gpu_ms``; in CPU
   mode, where the host does everything, the mean of the timed calls);
-- ``gpu_ms``: the call replayed from a CUDA graph, the GPU's time alone (GPU mode only);
+- ``gpu_ms``: the call replayed from a CUDA graph, the GPU's time alone (GPU mode only; none
+  for fast-transformers, whose kernels launch on the legacy default stream, outside the capture);
 - ``rel_err``: forward rows, ||o - ref|| / ||ref|| against float64 on batch 0 and up to two
   heads (for softmax attention, against float64 softmax attention on the last 256 queries);
 - ``floor_ms`` and ``bandwidth_TBps``: the bytes the operation must move at least (read q, k,
@@ -99,6 +100,8 @@ class Contender:
     dtypes: tuple[torch.dtype, ...]
     time_major: bool = False  # fla: (B, T, H, D) in and out
     softmax: bool = False  # another function: checked against float64 softmax attention
+    #: Why a CUDA graph cannot hold its calls, or None: a graph then times nothing of them.
+    no_graph: str | None = None
 
 
 def method_contenders(names: Iterable[str]) -> list[Contender]:
@@ -130,7 +133,8 @@ def _peer(name: str) -> Contender:
     if name == "fast_transformers_cuda":
         from fast_transformers.causal_product import causal_dot_product
 
-        return Contender(name, causal_dot_product, (torch.float32,))
+        return Contender(name, causal_dot_product, (torch.float32,),
+                         no_graph="its kernels launch on the legacy default stream, outside a graph's capture")
     from fla.ops import linear_attn
 
     function = {"fla_chunk": linear_attn.chunk_linear_attn,
@@ -312,7 +316,9 @@ def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> 
 
             call()
         row["ms"], row["host_us"] = timed_calls(call, leaves)
-        if not _device.INTERPRETED:
+        if contender.no_graph is not None:
+            row["note"] = f"no CUDA graph: {contender.no_graph}"
+        elif not _device.INTERPRETED:
             try:
                 row["gpu_ms"] = graph_ms(call, leaves)
             except Exception as exc:  # a host sync or an allocation a graph refuses
