@@ -588,8 +588,8 @@ def recorded_key(row: dict) -> tuple:
 def figure_rows(recorded: dict) -> list[list[dict]]:
     """The rows each figure of the notebooks reads, selected as the notebook selects them.
 
-    notebooks/03: the recurrent table (the newest "shapes" recording with recurrent rows), the
-    peers table, and the sweep of the newest recording with a recurrent sweep; notebooks/04: the
+    notebooks/03: the recurrent table (per shape it shows and dtype, the newest "shapes"
+    recording with recurrent rows there), the peers table, and the sweep of the newest recording with a recurrent sweep; notebooks/04: the
     "precision" rows; notebooks/05: the sweep of the newest recording with a bfloat16 scan
     sweep, one table per recording of "shapes" rows, and the "overhead" rows.
     """
@@ -598,7 +598,10 @@ def figure_rows(recorded: dict) -> list[list[dict]]:
     sweep_03 = dict(part="sweep", mode="fwd", shape_prefix=(1, 8), shape_suffix=(64, 64))
     sweep_05 = dict(sweep_03, dtype="bf16")
     selections = [
-        lambda: latest_recording(recorded, part="shapes", impl="recurrent")[1],
+        lambda shape=shape, dtype=dtype: latest_recording(recorded, part="shapes", impl="recurrent", dtype=dtype,
+                                                          shape=list(shape))[1]
+        for shape in ((8, 16, 4096, 64, 64), (1, 8, 65536, 64, 64)) for dtype in ("bf16", "fp32")
+    ] + [
         lambda: rows_of_one_recording(recorded, part="peers")[1],
         lambda: rows_of_one_recording(
             recorded, recording=latest_recording(recorded, impl="recurrent", **sweep_03)[0], **sweep_03)[1],
