@@ -27,7 +27,7 @@ loops: what a generation loop sees (do_bench empties the L2 cache before each ca
 host's work for the next call hides behind that). Every fwd+bwd call takes its gradients with torch.autograd.grad and drops
 them: nothing outlives the call, as compiled CUDA graphs require (each replay reuses its
 output memory; a gradient accumulated into .grad would be read after the next replay
-overwrote it: PyTorch issue #169545). Ours and fla alternate for --rounds rounds (the host's speed drifts within a
+overwrote it: a known PyTorch limitation, github.com/pytorch/pytorch/issues/169545). Ours and fla alternate for --rounds rounds (the host's speed drifts within a
 run); the median round is kept. "ratios" compares the rows the targets name. The JSON also
 records the date, GPU, versions and this command.
 """
