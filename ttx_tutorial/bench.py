@@ -589,8 +589,8 @@ def figure_rows(recorded: dict) -> list[list[dict]]:
     """The rows each figure of the notebooks reads, selected as the notebook selects them.
 
     notebooks/03: the recurrent table (per shape it shows and dtype, the newest "shapes"
-    recording with recurrent rows there), the peers table, and the sweep of the newest recording with a recurrent sweep; notebooks/04: the
-    "precision" rows; notebooks/05: the sweep of the newest recording with a bfloat16 scan
+    recording with recurrent rows there), the peers table, and the sweep of the newest recording
+    with a recurrent sweep; notebooks/04: the "precision" rows; notebooks/05: the sweep of the newest recording with a bfloat16 scan
     sweep, one table per recording of "shapes" rows, and the "overhead" rows.
     """
     from ttx_tutorial.course.figures import latest_recording, rows_of_one_recording

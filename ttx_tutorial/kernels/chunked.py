@@ -143,8 +143,7 @@ def normalizer_gradient_kernel(
     b_o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                   mask=mask, other=0.0)
     row = pid_bh.to(tl.int64) * T
-    b_denominator = tl.load(denominator_ptr + row + offs_t, mask=mask_t, other=1.0)
-    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(tl.float32)
+    b_g = _numerator_gradient(b_do, denominator_ptr + row, offs_t, mask_t, MIXED_DTYPE, tl.float32, INTERPRETED)
     tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
 
 

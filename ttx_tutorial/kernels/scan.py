@@ -250,7 +250,8 @@ def _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, m
 @triton.jit
 def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, grad_denominator_ptr, denominator_ptr,
                                     start_ptr, tokens, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt,
-                                    stride_kd, stride_qt, stride_qd, stride_dqt, stride_dqd, stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                    stride_kd, stride_qt, stride_qd, stride_dqt, stride_dqd, stride_sd, stride_se,
+                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                     NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rewrites dq for the segment's tokens from its forward start state P = S (D x E), one token
     at a time: P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t from the start state's
@@ -376,8 +377,7 @@ def normalizer_gradient_kernel(
     b_o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                   mask=mask, other=0.0)
     row = pid_bh.to(tl.int64) * T
-    b_denominator = tl.load(denominator_ptr + row + offs_t, mask=mask_t, other=1.0)
-    b_g = _rounded(b_do.to(tl.float32) / b_denominator[:, None], MIXED_DTYPE, INTERPRETED).to(tl.float32)
+    b_g = _numerator_gradient(b_do, denominator_ptr + row, offs_t, mask_t, MIXED_DTYPE, tl.float32, INTERPRETED)
     tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
 
 
