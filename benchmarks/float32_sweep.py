@@ -34,6 +34,7 @@ shape by shape; rows not timed in time say so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -49,7 +50,8 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from ttx_tutorial.bench import REFERENCE_SHAPES, parse_shapes  # noqa: E402
-from ttx_tutorial.kernels import chunked  # noqa: E402
+from ttx_tutorial.kernels import chunked, scan  # noqa: E402
+from ttx_tutorial.kernels.chunked import FLOAT32_PRECISIONS  # noqa: E402
 from ttx_tutorial.testing import random_inputs, reference, relative_error  # noqa: E402
 
 SETTINGS = ("highest", "high")
@@ -86,9 +88,18 @@ CANDIDATES = {
         {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
     ],
 }
+#: scan's candidates (keys over its rule's): the warps its float32 rule chooses between.
+SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}]
+#: float32 products "highest" may use: 3xTF32 (the kernels' default) and Triton's splits into
+#: bfloat16 parts (two parts, three products; three parts, six products).
+HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
+DEFAULT_PRODUCTS = "tf32x3"
+#: Short names of config keys in printed rows.
+LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}
 #: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
 CPU_SHAPES = ((1, 2, 40, 16, 16),)
 CPU_CANDIDATES = [{"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}]
+CPU_SCAN_CANDIDATES = [{"num_warps": 4}]
 #: Heads checked against float64 (of batch 0).
 CHECKED_HEADS = 2
 
@@ -97,6 +108,10 @@ def candidates_for(D):
     if ttx_tutorial.INTERPRETED:
         return CPU_CANDIDATES
     return CANDIDATES[64 if D <= 64 else 128]
+
+
+def scan_candidates():
+    return CPU_SCAN_CANDIDATES if ttx_tutorial.INTERPRETED else SCAN_CANDIDATES
 
 
 def median_ms(fn, leaves):
@@ -191,78 +206,100 @@ def peers():
     return found, missing
 
 
-def jobs(shapes, settings, peer_functions):
-    """(shape index, setting, implementation, config, function, time_major), most useful first."""
+def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,)):
+    """(shape index, setting, products, implementation, config, function, time_major), most
+    useful first; "highest" once per kind of ``products``, the other settings with TF32."""
     first, peer_jobs, second = [], [], []
     for index, (B, H, T, D, E) in enumerate(shapes):
         for name, (function, time_major) in peer_functions.items():
-            peer_jobs.append((index, None, name, None, function, time_major))
+            peer_jobs.append((index, None, None, name, None, function, time_major))
         for setting in settings:
-            for method in ("chunked", "scan", "recurrent"):
-                first.append((index, setting, method, "rule",
-                              (lambda m: lambda q, k, v: ttx_tutorial.causal_product(q, k, v, m))(method), False))
-            for config in candidates_for(D):
-                second.append((index, setting, "chunked", config,
-                               (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(config),
-                               False))
+            for kind in (products if setting == "highest" else (FLOAT32_PRECISIONS[setting],)):
+                for method in ("chunked", "scan", "recurrent"):
+                    first.append((index, setting, kind, method, "rule",
+                                  (lambda m: lambda q, k, v: ttx_tutorial.causal_product(q, k, v, m))(method), False))
+                for config in candidates_for(D):
+                    second.append((index, setting, kind, "chunked", config,
+                                   (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(
+                                       config), False))
+                for config in scan_candidates():
+                    second.append((index, setting, kind, "scan", config,
+                                   (lambda c: lambda q, k, v: scan.scan_causal_product(q, k, v, config=c)[0])(config),
+                                   False))
     return first + peer_jobs + second
 
 
-def run(shapes, settings, max_seconds, with_peers=True):
+@contextlib.contextmanager
+def float32_products(setting, kind):
+    """PyTorch's ``setting``, and ``kind`` as the kernels' float32 products under it."""
+    saved = {module: dict(module.FLOAT32_PRECISIONS) for module in (chunked, scan)}
+    torch.set_float32_matmul_precision(setting)
+    for module in saved:
+        module.FLOAT32_PRECISIONS[setting] = kind
+    try:
+        yield
+    finally:
+        for module, precisions in saved.items():
+            module.FLOAT32_PRECISIONS.update(precisions)
+        torch.set_float32_matmul_precision("highest")
+
+
+def run(shapes, settings, max_seconds, with_peers=True, products=(DEFAULT_PRODUCTS,)):
     start = time.perf_counter()
     peer_functions, missing = peers() if with_peers else ({}, {"peers": "--no-peers"})
     points = {}
     rows = []
-    for index, setting, impl, config, function, time_major in jobs(shapes, settings, peer_functions):
+    for index, setting, kind, impl, config, function, time_major in jobs(shapes, settings, peer_functions, products):
         for mode in MODES:
-            row = {"shape": list(shapes[index]), "impl": impl, "setting": setting, "config": config,
-                   "mode": mode, "ms": None, "rel_err": None, "note": None}
+            row = {"shape": list(shapes[index]), "impl": impl, "setting": setting, "products": kind,
+                   "config": config, "mode": mode, "ms": None, "rel_err": None, "note": None}
             rows.append(row)
             if time.perf_counter() - start > max_seconds:
                 row["note"] = f"not timed: past --max-seconds {max_seconds}"
                 continue
             if index not in points:
                 points = {index: Shape(shapes[index], seed=index)}  # one shape's tensors at a time
-            torch.set_float32_matmul_precision(setting or "highest")
             try:
-                row["ms"], row["rel_err"] = timed(points[index], mode, function, time_major)
+                with float32_products(setting or "highest", kind or DEFAULT_PRODUCTS):
+                    row["ms"], row["rel_err"] = timed(points[index], mode, function, time_major)
             except Exception as exc:  # noqa: BLE001  a config that fails (resources) must not end the run
                 row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
                 if not ttx_tutorial.INTERPRETED:
                     torch.cuda.synchronize()
             print(line(row), flush=True)
-    torch.set_float32_matmul_precision("highest")
     return rows, missing, time.perf_counter() - start
 
 
 def config_label(config):
     if config is None or config == "rule":
         return config or ""
-    return "E{BLOCK_E} C{CHUNK} w{num_warps} s{num_stages}".format(**config)
+    return " ".join(f"{LABELS[key]}{value}" for key, value in config.items())
 
 
 def line(row):
     ms = "-" if row["ms"] is None else f"{row['ms']:.3f}"
     err = "-" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
     return (f"{'x'.join(map(str, row['shape'][:4])):>18} {row['mode']:>7} {row['setting'] or '':>7} "
-            f"{row['impl']:>17} {config_label(row['config']):>18} {ms:>9} {err:>8}  {row['note'] or ''}")
+            f"{row['products'] or '':>6} {row['impl']:>17} {config_label(row['config']):>18} {ms:>9} {err:>8}  "
+            f"{row['note'] or ''}")
 
 
 def summary(rows):
-    """Per (shape, setting, mode): the fastest chunked config within the setting's error bound,
-    beside the peers' times."""
-    out = ["", "best chunked config per (shape, setting, mode), error within the setting's bound:"]
+    """Per (shape, setting, mode): our fastest method and config (any kind of products) within
+    the setting's error bound, beside our rules' and the peers' times."""
+    out = ["", "best config per (shape, setting, mode), error within the setting's bound:"]
     keys = sorted({(tuple(r["shape"]), r["setting"], r["mode"]) for r in rows if r["setting"]},
                   key=lambda key: (key[0], key[1], key[2]))
     for shape, setting, mode in keys:
         same = [r for r in rows if tuple(r["shape"]) == shape and r["mode"] == mode]
-        ours = [r for r in same if r["setting"] == setting and r["impl"] == "chunked" and r["ms"] is not None
+        ours = [r for r in same if r["setting"] == setting and r["ms"] is not None
                 and r["rel_err"] is not None and r["rel_err"] <= ERROR_BOUNDS[setting]]
         peers_ms = {r["impl"]: r["ms"] for r in same if r["setting"] is None and r["ms"] is not None}
-        others = {r["impl"]: r["ms"] for r in same if r["setting"] == setting and r["impl"] != "chunked"
-                  and r["ms"] is not None}
+        others = {f"{r['impl']} rule {r['products']}": r["ms"] for r in same if r["setting"] == setting
+                  and r["config"] == "rule" and r["ms"] is not None}
         best = min(ours, key=lambda r: r["ms"]) if ours else None
-        text = (f"{best['ms']:.3f} ms ({config_label(best['config'])}, err {best['rel_err']:.1e})"
+        text = (f"{best['ms']:.3f} ms ({best['impl']} {best['products']} {config_label(best['config'])}, "
+                f"err {best['rel_err']:.1e})"
                 if best else "none within bound")
         beside = ", ".join(f"{name} {ms:.3f}" for name, ms in {**others, **peers_ms}.items())
         out.append(f"{'x'.join(map(str, shape[:4])):>18} {setting:>7} {mode:>7}: {text}; {beside}")
@@ -283,7 +320,15 @@ def main(argv=None):
     parser.add_argument("--max-seconds", type=float, default=200.0, help="start no timing after this")
     parser.add_argument("--out", default=None, help="JSON file for every row and the environment")
     parser.add_argument("--no-peers", action="store_true", help="time neither fast-transformers nor fla")
+    parser.add_argument("--products", default=DEFAULT_PRODUCTS,
+                        help="input_precision kinds of float32 products to time under 'highest', comma-separated "
+                             f"(from {', '.join(HIGHEST_PRODUCTS)})")
     args = parser.parse_args(argv)
+    products = tuple(p for p in args.products.split(",") if p)
+    if not products or set(products) - set(HIGHEST_PRODUCTS):
+        parser.error(f"--products: choose from {', '.join(HIGHEST_PRODUCTS)}, got {args.products!r}")
+    if ttx_tutorial.INTERPRETED and set(products) - {DEFAULT_PRODUCTS}:
+        parser.error(f"--products: Triton's interpreter knows only {DEFAULT_PRODUCTS} of these")
     if args.shapes is not None:
         shapes = parse_shapes(args.shapes, "--shapes")
     else:
@@ -294,7 +339,7 @@ def main(argv=None):
         parser.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(ERROR_BOUNDS)}")
     env = environment(" ".join(["python", *sys.argv]) if argv is None else " ".join(["float32_sweep", *argv]))
     print(json.dumps(env))
-    rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers)
+    rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers, products=products)
     for name, why in missing.items():
         print(f"{name}: not timed ({why})")
     print(summary(rows))

@@ -69,13 +69,15 @@ def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.
     """(b_sum + a @ b, carry). A tensor-core product that accumulates into b_sum truncates the
     sum at every step, a bias that grows with the number of chunks; COMPENSATED instead adds
     each chunk's product in rounded float32 and keeps the rounding error in b_carry (Kahan).
-    3xTF32 makes three truncating additions a chunk: its product is added in rounded float32."""
+    A split of float32 operands (3xTF32; Triton's bfloat16 parts, which ``float32_sweep.py``
+    times) makes three or more truncating additions a chunk: its product is added in rounded
+    float32."""
     if COMPENSATED:
         y = tl.dot(a, b, input_precision=PRECISION) - b_carry
         total = b_sum + y
         b_carry = (total - b_sum) - y
         b_sum = total
-    elif PRECISION == "tf32x3":
+    elif PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6":
         b_sum += tl.dot(a, b, input_precision=PRECISION)
     else:
         b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)

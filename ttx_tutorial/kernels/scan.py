@@ -114,8 +114,9 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
     """b_sum + a @ b. A tensor-core product that accumulates into b_sum truncates the sum at each
-    step; 3xTF32 makes three such steps a chunk, so its product is added in rounded float32."""
-    if PRECISION == "tf32x3":
+    step; a split of float32 operands (3xTF32; Triton's bfloat16 parts) makes three or more such
+    steps a chunk, so its product is added in rounded float32."""
+    if PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6":
         b_sum += tl.dot(a, b, input_precision=PRECISION)
     else:
         b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
@@ -1255,13 +1256,16 @@ def float32_precision():
 
 
 #: Triton 3.6 compiles pass 3 with 3xTF32 products on 8 warps and a 16 x 16 state so that it
-#: reads shared memory out of bounds on an H200 (compute-sanitizer, D = E = 8): a state tile
-#: with neither side this wide takes 4 warps, and a config asking for more is refused. (32 x 16,
-#: 16 x 64 and 64 x 16 tiles ran right on 8 warps.)
+#: reads shared memory out of bounds on an H200 (compute-sanitizer, D = E = 8): under any split
+#: of float32 operands, a config asking for 8 warps where neither side of the state tile is
+#: this wide is refused (the rule gives float32 4 warps). (32 x 16, 16 x 64 and 64 x 16 tiles
+#: ran right on 8 warps under 3xTF32.)
 _TF32X3_8_WARPS_MIN_BLOCK = 32
+#: float32 products made of several tensor-core products each.
+_SPLIT_PRECISIONS = ("tf32x3", "bf16x3", "bf16x6")
 
 
-def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
+def _default_blocks(D, E, dtype):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
 
@@ -1273,22 +1277,19 @@ def _default_blocks(D, E, dtype, float32_precision="tf32x3"):
         BLOCK_D * BLOCK_E <= 4096, and chunks of 32 when D or E exceeds 128 (D and E alike: the
         backward swaps them and must cut the forward's segments into the same chunks).
     float32: tensor-core tiles twice the size of float16's at the same counts (chunks of 64 up
-        to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 8 warps for 3xTF32, whose
-        operands are held as a TF32 part and a remainder, 4 for TF32 and for 3xTF32 state tiles
-        of 16 x 16 (``_TF32X3_8_WARPS_MIN_BLOCK``).
+        to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 4 warps: faster than 8 under
+        3xTF32 too on an H200 (``benchmarks/float32_sweep.py``).
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
     if dtype == torch.float32:
         chunk = 64 if max(block_d, _block(E)) <= 64 else 32
-        state_entries, warps = 4096, (8 if float32_precision == "tf32x3" else 4)
+        state_entries, warps = 4096, 4
     elif dtype == torch.float16:
         chunk, state_entries, warps = (64 if max(block_d, _block(E)) <= 128 else 32), 4096, 4
     else:
         chunk, state_entries, warps = 64, 8192, 4
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
-    if max(block_d, block_e) < _TF32X3_8_WARPS_MIN_BLOCK:
-        warps = min(warps, 4)
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
 
 
@@ -1323,7 +1324,7 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
-    resolved = {**_default_blocks(D, E, dtype, precision), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
+    resolved = {**_default_blocks(D, E, dtype), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
@@ -1331,7 +1332,7 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
-    if (precision == "tf32x3" and resolved["num_warps"] > 4
+    if (precision in _SPLIT_PRECISIONS and resolved["num_warps"] > 4
             and max(_block(D), resolved["BLOCK_E"]) < _TF32X3_8_WARPS_MIN_BLOCK):
         raise ValueError(f"config num_warps must be at most 4 for float32 products at full precision "
                          f"when neither side of the state tile reaches {_TF32X3_8_WARPS_MIN_BLOCK} "
