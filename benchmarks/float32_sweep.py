@@ -10,7 +10,10 @@ times:
 
 - per setting, ``chunked`` with the wrapper's rule ("rule") and with each candidate config of
   ``CANDIDATES`` (CHUNK, BLOCK_E, num_warps, num_stages; at most 8 per head size), through the
-  kernel file's public ``chunked_causal_product``; ``recurrent`` and ``scan`` with their rules;
+  kernel file's public ``chunked_causal_product``; ``scan`` with its rule and on 4 and 8 warps
+  (``SCAN_CANDIDATES``); ``recurrent`` with its rule. Under "highest", once per kind of float32
+  products named by ``--products`` (3xTF32, the kernels' own, by default; Triton's bfloat16
+  splits "bf16x3" and "bf16x6" on a GPU), each row saying which;
 - once, the peers when importable: fast-transformers' ``causal_dot_product`` (a CUDA kernel in
   float32, unaffected by the setting) and fla's ``chunk_linear_attn`` and
   ``fused_chunk_linear_attn`` in float32 (their own TF32 products; ``scale=1.0,
@@ -93,7 +96,7 @@ SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}]
 #: float32 products "highest" may use: 3xTF32 (the kernels' default) and Triton's splits into
 #: bfloat16 parts (two parts, three products; three parts, six products).
 HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
-DEFAULT_PRODUCTS = "tf32x3"
+DEFAULT_PRODUCTS = FLOAT32_PRECISIONS["highest"]
 #: Short names of config keys in printed rows.
 LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}
 #: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
