@@ -14,7 +14,7 @@ first with the upper triangle, so the state holds sum_{s >= t} k_s v_s^T.
 Backward, with dO the gradient of o and G that of S_T: dQ = forward product (dO, V, K) from
 S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO) from G, whose
 final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
-one launch (a forward walk for dQ, then one reverse walk for dK and dV); otherwise
+one launch (two programs a head: a forward walk for dQ, a reverse walk for dK and dV); otherwise
 ``chunked_kernel`` runs three times.
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
@@ -96,14 +96,29 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     return x.to(DTYPE)
 
 
+#: Columns of the blocks that carry the normaliser's sums: the narrowest ``tl.dot`` operand.
+UNIT_BLOCK = tl.constexpr(16)
+
+
 @triton.jit
-def _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptrs, store_mask):
-    """(O_c / (d + eps), z_c) for a chunk: d_t = rowsum(A)_t + q_t . z_{c-1} in float32, from the
-    unrounded masked scores A, and z_c = z_{c-1} + the chunk's keys. It needs no v, so every value
-    block's program computes it for itself; d_t + eps is stored where ``store_mask`` holds."""
+def _unit_columns(ROWS: tl.constexpr, DTYPE: tl.constexpr):
+    """U (ROWS x UNIT_BLOCK): ones in its first column, zeros in the others. Sums over the tokens
+    become products, K^T U = (z, 0, ..., 0): z is the state of one more value column, all ones,
+    and its product runs on tensor cores like the state's. ``tl.sum`` over a tile's tokens instead
+    crosses the warps (shared memory and a barrier) at every chunk, where the products wait."""
+    return (tl.arange(0, ROWS)[:, None] * 0 + tl.arange(0, UNIT_BLOCK)[None, :] == 0).to(DTYPE)
+
+
+@triton.jit
+def _normalized(b_o, b_scores, b_q, b_key_sum, eps, denominator_ptrs, store_mask):
+    """O_c / (d + eps) for a chunk: d_t = rowsum(A)_t + q_t . z_{c-1} in float32, from the
+    unrounded masked scores A and z_{c-1}, the row sums of ``b_key_sum`` (only its first column is
+    not zero). It needs no v, so every value block's program computes it for itself; d_t + eps is
+    stored where ``store_mask`` holds."""
+    b_z = tl.sum(b_key_sum, 1)
     b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
     tl.store(denominator_ptrs, b_denominator, mask=store_mask)
-    return b_o / b_denominator[:, None], b_z + tl.sum(b_kt.to(tl.float32), 1)
+    return b_o / b_denominator[:, None]
 
 
 @triton.jit
@@ -356,14 +371,17 @@ def chunked_kernel(
     mask_de = mask_d[:, None] & mask_e[None, :]
 
     b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-    # NORMALIZE: z, the sum of the keys so far, carried next to the state (column E of the states).
-    b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
+    # NORMALIZE: z, the sum of the keys so far (column E of the states), carried as K^T U beside the
+    # state: the first column of b_key_sum (see _unit_columns).
+    offs_u = tl.arange(0, UNIT_BLOCK)
+    b_key_sum = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
     if has_initial_state:
         initial_state_ptr += b * stride_s0b + h * stride_s0h
         b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
                           mask=mask_de, other=0.0).to(tl.float32)
         if NORMALIZE:
-            b_z = tl.load(initial_state_ptr + offs_d * stride_s0d + E * stride_s0e, mask=mask_d, other=0.0)
+            b_key_sum = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + E * stride_s0e + offs_u[None, :] * 0,
+                                mask=mask_d[:, None] & (offs_u[None, :] == 0), other=0.0)
 
     # Inside a chunk, row i (token t) sees column j (token s) when s <= t, or s >= t in reverse.
     # The flags are runtime integers: they act outside the products, so one compiled kernel
@@ -372,6 +390,8 @@ def chunked_kernel(
 
     num_chunks = (T + CHUNK - 1) // CHUNK
     b_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    b_key_sum_carry = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
+    b_units = _unit_columns(CHUNK, tl.float32 if INTERPRETED else INPUT_DTYPE)
     # NORMALIZE: d_t + eps and z belong to no value block; the first block's program stores them.
     stored_tokens = tl.where(pid_e == 0, T, 0)
     stored_rows = tl.where(pid_e == 0, D, 0)
@@ -405,10 +425,12 @@ def chunked_kernel(
                      input_precision=FLOAT32_PRECISION)                              # [C, E]
         b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
                      acc=b_o, input_precision=FLOAT32_PRECISION)
-        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION)
         if NORMALIZE:
-            b_o, b_z = _normalized(b_o, b_scores, b_q, b_kt, b_z, eps, denominator_ptr + (b * H + h) * T + offs_t,
-                                   offs_t < stored_tokens)
+            b_o = _normalized(b_o, b_scores, b_q, b_key_sum, eps, denominator_ptr + (b * H + h) * T + offs_t,
+                              offs_t < stored_tokens)
+            b_key_sum, b_key_sum_carry = _add_product(b_key_sum, b_key_sum_carry, b_kt, b_units, COMPENSATED,
+                                                      FLOAT32_PRECISION)
+        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION)
         b_seen += tl.sum(b_o * 0.0, 1)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
@@ -418,7 +440,8 @@ def chunked_kernel(
     tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
              b_state, mask=mask_de)
     if NORMALIZE:
-        tl.store(final_state_ptr + offs_d * stride_sfd + E * stride_sfe, b_z, mask=offs_d < stored_rows)
+        tl.store(final_state_ptr + offs_d * stride_sfd + E * stride_sfe, tl.sum(b_key_sum, 1),
+                 mask=offs_d < stored_rows)
 
     if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the outputs causally
         e_blocks = (E + BLOCK_E - 1) // BLOCK_E
@@ -447,7 +470,7 @@ def chunked_backward_kernel(
                                     # (the three states have E + 1 columns, z last, when NORMALIZE)
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
-    compute_dq,                     # 0: skip the forward walk (q needs no gradient; dq_ptr unused)
+    compute_dq,                     # 0: no forward walk (q needs no gradient; dq_ptr unused), a grid (B * H, 1)
     has_initial_state,              # 0: S_0 = 0 (initial_state_ptr is never read)
     has_final_grad,                 # 0: G = 0, S_T was not used (g_ptr is never read)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -467,7 +490,11 @@ def chunked_backward_kernel(
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
 ):
-    """The whole backward of one (batch, head) in one program: dQ, dK, dV and dS_0."""
+    """The whole backward of one (batch, head) in its row of programs: with compute_dq, program 0
+    walks forward for dQ and program 1 backwards for dK, dV and dS_0; without, program 0 walks
+    backwards. A walk is a chain of dependent loads and products: two programs a head let the GPU
+    overlap one walk's waits with the other's work (most where the heads are fewer than the
+    multiprocessors)."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
     q_arg, k_arg, v_arg, do_arg = q_ptr, k_ptr, v_ptr, do_ptr
     grad_denominator_arg, denominator_arg = grad_denominator_ptr, denominator_ptr
@@ -525,7 +552,7 @@ def chunked_backward_kernel(
     denominator_ptr += (b * H + h) * T
     # As in chunked_kernel: each walk sums 0 * its gradient tiles per row, and a walk whose tiles
     # held an inf or NaN is redone one token at a time after the loops.
-    if compute_dq:
+    if (compute_dq != 0) & (tl.program_id(1) == 0):  # the forward walk: dQ
         b_p = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         b_z = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
         if has_initial_state:
@@ -590,91 +617,92 @@ def chunked_backward_kernel(
                 T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
                 stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
-    b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-    b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
-    if has_final_grad:
-        g_ptr += b * stride_gb + h * stride_gh
-        b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
-                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-        if NORMALIZE:
-            b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
-    # Row s (token s) receives from column t (token t) when t >= s.
-    upper = offs_c[:, None] <= offs_c[None, :]
-    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
-    b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-    if NORMALIZE:  # r a chunk ahead, as in the forward walk
-        offs_last = (num_chunks - 1) * CHUNK + offs_c
-        b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_last, mask=offs_last < T, other=0.0)
-    for i in range(num_chunks):
-        offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
-        mask_t = offs_t < T
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_te = mask_t[:, None] & mask_e[None, :]
-        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
-        b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
-        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
-        b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
-                       other=0.0)
-        if INTERPRETED:
-            b_q = b_q.to(tl.float32)
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-            b_do = b_do.to(tl.float32)
-        if NORMALIZE:
-            b_grad_denominator = b_grad_denominator_next
-            offs_next = offs_t - CHUNK
-            b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_next, mask=offs_next >= 0, other=0.0)
-            b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
-                                       INTERPRETED)
-            b_q = b_q.to(MIXED_DOT_DTYPE)
-            b_k = b_k.to(MIXED_DOT_DTYPE)
-            b_v = b_v.to(MIXED_DOT_DTYPE)
+    if tl.program_id(1) == tl.num_programs(1) - 1:  # the reverse walk: dK, dV and dS_0
+        b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+        b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
+        if has_final_grad:
+            g_ptr += b * stride_gb + h * stride_gh
+            b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
+                          mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+            if NORMALIZE:
+                b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
+        # Row s (token s) receives from column t (token t) when t >= s.
+        upper = offs_c[:, None] <= offs_c[None, :]
+        b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
+        b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+        if NORMALIZE:  # r a chunk ahead, as in the forward walk
+            offs_last = (num_chunks - 1) * CHUNK + offs_c
+            b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_last, mask=offs_last < T, other=0.0)
+        for i in range(num_chunks):
+            offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
+            mask_t = offs_t < T
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            mask_te = mask_t[:, None] & mask_e[None, :]
+            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
+            b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
+            b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
+            b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
+                           other=0.0)
+            if INTERPRETED:
+                b_q = b_q.to(tl.float32)
+                b_k = b_k.to(tl.float32)
+                b_v = b_v.to(tl.float32)
+                b_do = b_do.to(tl.float32)
+            if NORMALIZE:
+                b_grad_denominator = b_grad_denominator_next
+                offs_next = offs_t - CHUNK
+                b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_next, mask=offs_next >= 0, other=0.0)
+                b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                           INTERPRETED)
+                b_q = b_q.to(MIXED_DOT_DTYPE)
+                b_k = b_k.to(MIXED_DOT_DTYPE)
+                b_v = b_v.to(MIXED_DOT_DTYPE)
 
-        b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
-        b_kq = tl.where(upper, b_kq, 0.0)
-        b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
+            b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
+            b_kq = tl.where(upper, b_kq, 0.0)
+            b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
+            if NORMALIZE:
+                b_vdo += b_grad_denominator[None, :]
+            b_vdo = tl.where(upper, b_vdo, 0.0)
+            b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+            b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
+            b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE),
+                          acc=b_dv, input_precision=FLOAT32_PRECISION)
+            b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
+            b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
+                          acc=b_dk, input_precision=FLOAT32_PRECISION)
+            if NORMALIZE:
+                b_dk += b_dz[None, :]
+                b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
+            b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
+            b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
+
+            tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
+                     _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+            tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
+                     _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
+
+        state_width = E + 1 if NORMALIZE else E
+        ds0_ptr += pid_bh.to(tl.int64) * D * state_width
+        tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
         if NORMALIZE:
-            b_vdo += b_grad_denominator[None, :]
-        b_vdo = tl.where(upper, b_vdo, 0.0)
-        b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-        b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
-        b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE),
-                      acc=b_dv, input_precision=FLOAT32_PRECISION)
-        b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
-        b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
-                      acc=b_dk, input_precision=FLOAT32_PRECISION)
-        if NORMALIZE:
-            b_dk += b_dz[None, :]
-            b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
-        b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
-        b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
+            tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
-        tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
-                 _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
-        tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
-                 _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
-
-    state_width = E + 1 if NORMALIZE else E
-    ds0_ptr += pid_bh.to(tl.int64) * D * state_width
-    tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
-    if NORMALIZE:
-        tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
-
-    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
-        row = tl.program_id(0).to(tl.int64)
-        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
-        _key_value_gradients_token_by_token(
-            q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
-            k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
-            v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
-            do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
-            dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
-            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
-            grad_denominator_arg + row * tokens, denominator_arg + row * tokens,
-            g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
-            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
-            BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+        if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
+            row = tl.program_id(0).to(tl.int64)
+            batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+            _key_value_gradients_token_by_token(
+                q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
+                k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
+                v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
+                do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
+                dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
+                dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
+                grad_denominator_arg + row * tokens, denominator_arg + row * tokens,
+                g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
+                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+                stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
+                BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -883,8 +911,9 @@ _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 def _fused_backward_shared_memory(fused, dtype, normalize=False):
     """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO (and
-    o when normalising) in flight, plus R and its transpose as product operands (counted at 4 bytes)."""
-    chunk_bytes = fused["CHUNK"] * (2 * fused["BLOCK_D"] + (2 + normalize) * fused["BLOCK_E"]) * dtype.itemsize
+    d + eps when normalising) in flight, plus R and its transpose as product operands (counted at
+    4 bytes)."""
+    chunk_bytes = fused["CHUNK"] * ((2 * fused["BLOCK_D"] + 2 * fused["BLOCK_E"]) * dtype.itemsize + 4 * normalize)
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
@@ -892,14 +921,16 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
     ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
-    need the registers). One program per head leaves the load pipeline as its parallelism:
-    4 warps, 4 stages, fewer stages until the loads in flight fit ``shared_memory`` (``normalize``:
-    the normalised backward's, which also loads o)."""
+    need the registers). A walk's parallelism is its load pipeline and the other walk's program:
+    4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks wait longer on
+    their products: two programs then share a multiprocessor; timed faster on an H200), fewer
+    stages until the loads in flight fit ``shared_memory``."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
-    fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
+    fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
+             "num_stages": 3 if normalize else 4}
     while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
@@ -957,7 +988,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
-        chunked_backward_kernel[(B * H,)](
+        chunked_backward_kernel[(B * H, 1 + int(compute_dq))](
             q, k, v, grad_o, grad_denominator, denominator, dq_arg, dk, dv, s0_arg, g_arg, ds0,
             ds0 if cu_seqlens is None else cu_seqlens, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),

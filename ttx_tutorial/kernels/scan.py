@@ -123,6 +123,19 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
     return b_sum
 
 
+#: Columns of the block that carries the normaliser's key sum: the narrowest ``tl.dot`` operand.
+UNIT_BLOCK = tl.constexpr(16)
+
+
+@triton.jit
+def _unit_columns(ROWS: tl.constexpr, DTYPE: tl.constexpr):
+    """U (ROWS x UNIT_BLOCK): ones in its first column, zeros in the others. The sum of a chunk's
+    keys becomes a product, K^T U = (z, 0, ..., 0): z is the state of one more value column, all
+    ones, and its product runs on tensor cores like the state's. ``tl.sum`` over a tile's tokens
+    instead crosses the warps (shared memory and a barrier) at every chunk, where the products wait."""
+    return (tl.arange(0, ROWS)[:, None] * 0 + tl.arange(0, UNIT_BLOCK)[None, :] == 0).to(DTYPE)
+
+
 @triton.jit
 def _features(x, mask, FEATURE_MAP: tl.constexpr, INTERPRETED: tl.constexpr):
     """phi(x) of a tile of q or k as loaded: in float32, rounded to x's dtype as the products take
@@ -682,6 +695,9 @@ def scan_outputs_kernel(
             b_state, b_z = _start_state(slot_ptr, stride_sd, stride_se, offs_d, offs_e, mask_d, mask_e, E, NORMALIZE)
         denominator_base = denominator_ptr + (b64 * H + h64) * T + start64
         stored_tokens = tl.where(e_block == 0, tokens, 0)
+        # NORMALIZE: z carried as K^T U in the first column of b_key_sum (see _unit_columns).
+        b_key_sum = tl.where(tl.arange(0, UNIT_BLOCK)[None, :] == 0, b_z[:, None], 0.0)
+        b_units = _unit_columns(CHUNK, DOT_DTYPE)
 
         # A masked zero times an inf or NaN of v is NaN: it would reach the chunk's earlier outputs. The
         # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
@@ -715,10 +731,11 @@ def scan_outputs_kernel(
             if NORMALIZE:
                 # d_t = rowsum of the unrounded masked scores + q_t . z_{c-1}, in float32; masked with
                 # tl.where, so an inf or NaN of a later key reaches no earlier denominator.
+                b_z = tl.sum(b_key_sum, 1)
                 b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
                 tl.store(denominator_base + offs_t, b_denominator, mask=offs_t < stored_tokens)
                 b_o = b_o / b_denominator[:, None]
-                b_z += tl.sum(b_k.to(tl.float32), 0)
+                b_key_sum = _add_product(b_key_sum, b_kt, b_units, FLOAT32_PRECISION)
             tl.store(o_base + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                      _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                      mask=mask_t[:, None] & mask_e[None, :])
@@ -736,7 +753,8 @@ def scan_outputs_kernel(
             final_base = final_state_ptr + final_row.to(tl.int64) * D * state_width
             tl.store(final_base + offs_d[:, None] * state_width + offs_e[None, :], b_state, mask=mask_de)
             if NORMALIZE:
-                tl.store(final_base + offs_d * state_width + E, b_z, mask=offs_d < tl.where(e_block == 0, D, 0))
+                tl.store(final_base + offs_d * state_width + E, tl.sum(b_key_sum, 1),
+                         mask=offs_d < tl.where(e_block == 0, D, 0))
 
         if tl.sum(b_seen, 0) != 0.0:  # an inf or NaN in some O_c: redo the piece's outputs causally
             if IS_VARLEN:
