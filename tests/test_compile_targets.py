@@ -327,10 +327,10 @@ def _default_16bit_head(call, head_dims=(64, 128)):
     return call["dtype"] in ("bfloat16", "float16") and D == E and D in head_dims and call["config"] is None
 
 
-#: Kernels without products or a loop over chunks: the segment table of packed sequences
-#: (scan_segments_kernel) and the normalised backward's r_t (normalizer_gradient_kernel), one
-#: elementwise read each.
-WITHOUT_PRODUCTS = ("scan_segments_kernel", "normalizer_gradient_kernel")
+#: Kernels without products: the segment table of packed sequences (scan_segments_kernel), the
+#: normalised backward's r_t (normalizer_gradient_kernel), one elementwise read each, and its
+#: terms after the passes (normalizer_terms_kernel), a walk of running sums.
+WITHOUT_PRODUCTS = ("scan_segments_kernel", "normalizer_gradient_kernel", "normalizer_terms_kernel")
 
 #: Instructions the speed of a launch depends on: (family, target, which launches, what must hold).
 EXPECTED_INSTRUCTIONS = [

@@ -66,9 +66,9 @@ PATHS = {
     "bf16 fused backward, 3 segments, 3 value blocks": (torch.bfloat16, 16, 40, {**SHORT, "BLOCK_E": 16}),
     "fp16 fused backward, 2 segments, 2 value blocks": (torch.float16, 32, 20,
                                                         {"CHUNK": 16, "SEGMENT_LEN": 32, "BLOCK_E": 16}),
-    "bf16 passes on [g, r] (D > 64), 3 segments": (torch.bfloat16, 80, 8, SHORT),
-    "fp16 passes on [g, r] (E > 64), in float32": (torch.float16, 8, 72, SHORT),
-    "fp32 passes on [g, r], 2 value blocks": (torch.float32, 8, 20, {**SHORT, "BLOCK_E": 16, "num_warps": 4}),
+    "bf16 passes on g (D > 64), 3 segments": (torch.bfloat16, 80, 8, SHORT),
+    "fp16 passes on g (E > 64), in float32": (torch.float16, 8, 72, SHORT),
+    "fp32 passes on g, 2 value blocks": (torch.float32, 8, 20, {**SHORT, "BLOCK_E": 16, "num_warps": 4}),
     "bf16 fused backward, one segment": (torch.bfloat16, 16, 12, None),
 }
 
@@ -88,7 +88,7 @@ def test_segments_value_blocks_and_backward_paths_match_float64(path, with_state
 def test_feature_maps_inside_the_kernels_on_every_path(path, feature, with_state):
     """The kernels map raw q and k themselves (``feature_map``), forward and backward: passes 1
     to 3, the suffix states' pass 1, the fused backward's two walks (dq and dk through phi') and
-    the passes on [g, r], which map in PyTorch as the kernels do. D and E are not powers of two
+    the passes on g, which map in PyTorch as the kernels do, and the terms' walks. D and E are not powers of two
     on most paths, and 45 tokens end inside a chunk: the padding, which loads as 0 and which
     elu + 1 would map to 1, must stay 0."""
     dtype, D, E, config = PATHS[path]
@@ -164,6 +164,15 @@ def test_packed_sequences_match_each_sequence_alone(lengths, dtype):
         lengths, dtype)
 
 
+def test_packed_sequences_through_the_passes_match_each_sequence_alone():
+    """bfloat16 heads over 64 take the plain passes and then the terms' walks, whose running
+    sums of the keys (dq) and of r_t q_t (dk) start again at every packed sequence, from its
+    own z_0 and G_z: each sequence against float64 on that sequence alone."""
+    check_packed_normalised_entry(
+        lambda q, k, v, s0, offsets: scan.scan_normalized_attention(q, k, v, s0, config=SHORT, cu_seqlens=offsets),
+        [20, 0, 1, 35], torch.bfloat16, D=72, E=8)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the plain product, on purpose
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_long_sequence_stays_finite(dtype):
@@ -199,7 +208,7 @@ def normalized_with_gradients(q, k, v, grad_o, *, reference, feature_map="identi
 
 # 130 tokens in segments of 64 (one chunk each at this head): the garbage at token 100
 # sits in the middle segment, late in a chunk. bfloat16 takes the fused backward, float32 the
-# passes on [g, r].
+# passes on g.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("argument, garbage", [("q", math.inf), ("k", math.nan), ("v", math.inf), ("do", math.nan)],
                          ids=["q-inf", "k-nan", "v-inf", "do-nan"])

@@ -21,8 +21,8 @@ The scan kernels compute it in their passes (method "scan", and "auto" where it 
 z is summed beside each segment's state, scanned with it and carried through the outputs
 pass, which forms the denominator from the chunk's masked scores and z and divides before
 the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
-denominator's gradient themselves (its passes for float32 and wide heads: on dO / (d + eps)
-and v widened by that gradient and a column of ones, made by PyTorch). Every kernel takes
+denominator's gradient themselves (for float32 and wide heads, as chunked's: the plain passes
+on dO / (d + eps), then the denominator's terms in one walk over the tokens each). Every kernel takes
 features PyTorch maps: the scan kernel file can also map "elu" and "relu" as it loads q and k
 (``scan_normalized_attention(feature_map=)``), but on an H200 that made its backward slower
 than PyTorch's two elementwise passes (benchmarks/NOTES.md).

@@ -20,7 +20,8 @@ one launch (two programs a head: a forward walk for dQ, a reverse walk for dK an
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
 and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
-``normalizer_gradient_kernel`` (the three passes: in PyTorch).
+``normalizer_gradient_kernel`` (for the three passes, g beside it, and ``normalizer_terms_kernel``
+adds r_t z_t to their dQ and dz to their dK in one walk each).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -135,12 +136,14 @@ def normalizer_gradient_kernel(
     do_ptr, o_ptr,                  # dO and the normalised forward's output (B, H, T, E)
     denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
     grad_denominator_ptr,           # r (B, H, T) float32, contiguous, written
+    numerator_ptr,                  # g (B, H, T, E) contiguous, written if WRITE_NUMERATOR
     T, H, E,
     stride_dob, stride_doh, stride_dot, stride_doe,
     stride_ob, stride_oh, stride_ot, stride_oe,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,          # >= E: r sums over every value column
     INTERPRETED: tl.constexpr,
+    WRITE_NUMERATOR: tl.constexpr,  # the backward in passes: they take g as an input
 ):
     """The denominator's gradient r_t = -(g_t . out_t) for BLOCK_T tokens of one (batch, head),
     g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
@@ -162,6 +165,66 @@ def normalizer_gradient_kernel(
     row = pid_bh.to(tl.int64) * T
     b_g = _numerator_gradient(b_do, denominator_ptr + row, offs_t, mask_t, MIXED_DTYPE, tl.float32, INTERPRETED)
     tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
+    if WRITE_NUMERATOR:
+        tl.store(numerator_ptr + (row + offs_t[:, None]) * E + offs_e[None, :], b_g, mask=mask)
+
+
+@triton.jit
+def normalizer_terms_kernel(
+    plain_ptr,                      # dQ or dK of the plain passes on g (B, H, T, D) float32
+    x_ptr,                          # the summed features: k for dQ, q for dK (B, H, T, D)
+    grad_denominator_ptr,           # r (B, H, T) float32, contiguous
+    carry_ptr,                      # z_0 for dQ, G's z column for dK (B, H, D) float32: read if has_carry
+    out_ptr,                        # dQ or dK (B, H, T, D), written
+    total_ptr,                      # dz_0 (B, H, D) float32, contiguous: written if REVERSE
+    T, H, D, has_carry,
+    stride_pb, stride_ph, stride_pt, stride_pd,
+    stride_xb, stride_xh, stride_xt, stride_xd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_cb, stride_ch, stride_cd,
+    REVERSE: tl.constexpr,          # 0: dQ's terms, 1: dK's
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The denominator's terms of the backward in passes, for BLOCK_D columns of one (batch,
+    head), in float32 from the plain part to the rounded result: dQ_t = plain_t + r_t z_t with
+    z_t = z_0 + sum_{s <= t} k_s (REVERSE = 0), or dK_s = plain_s + dz_s with dz_s = G_z +
+    sum_{t >= s} r_t q_t (REVERSE = 1, walking the tokens from last to first; dz_0 stored). The
+    terms cancel much of the plain part, so neither is rounded before they meet. Each block of
+    tokens takes its running sums from one ``tl.cumsum``, which adds no later token to an
+    earlier one: an inf or NaN stays on its side of the recurrence."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_i = tl.arange(0, BLOCK_T)
+    b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if has_carry:
+        b_sum = tl.load(carry_ptr + b * stride_cb + h * stride_ch + offs_d * stride_cd, mask=mask_d, other=0.0)
+    for i0 in tl.range(0, T, BLOCK_T):
+        mask_i = i0 + offs_i < T
+        if REVERSE:
+            rows = (T - 1 - i0 - offs_i).to(tl.int64)
+        else:
+            rows = (i0 + offs_i).to(tl.int64)
+        mask = mask_i[:, None] & mask_d[None, :]
+        b_x = tl.load(x_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xt + offs_d[None, :] * stride_xd,
+                      mask=mask, other=0.0).to(tl.float32)
+        b_r = tl.load(grad_denominator_ptr + pid_bh.to(tl.int64) * T + rows, mask=mask_i, other=0.0)
+        b_plain = tl.load(plain_ptr + b * stride_pb + h * stride_ph + rows[:, None] * stride_pt
+                          + offs_d[None, :] * stride_pd, mask=mask, other=0.0)
+        if REVERSE:
+            b_summand = b_r[:, None] * b_x
+            b_out = b_plain + b_sum[None, :] + tl.cumsum(b_summand, axis=0)
+        else:
+            b_summand = b_x
+            b_out = b_plain + b_r[:, None] * (b_sum[None, :] + tl.cumsum(b_summand, axis=0))
+        b_sum += tl.sum(b_summand, axis=0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                 b_out.to(out_ptr.dtype.element_ty), mask=mask)
+    if REVERSE:
+        tl.store(total_ptr + pid_bh.to(tl.int64) * D + offs_d, b_sum, mask=mask_d)
 
 
 @triton.jit
@@ -951,15 +1014,43 @@ def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides, normal
 NORMALIZER_GRADIENT_TOKENS = 64
 
 
-def _normalizer_gradient(grad_o, o, denominator):
-    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``)."""
+def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False):
+    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``), and with
+    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
+    numerator = None
+    if with_numerator:
+        numerator = torch.empty((B, H, T, E), device=o.device,
+                                dtype=torch.bfloat16 if grad_o.dtype == torch.bfloat16 else torch.float32)
     with _launch_guard():
         normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
-            grad_o, o, denominator, grad_denominator, T, H, E, *grad_o.stride(), *o.stride(),
-            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret)
-    return grad_denominator
+            grad_o, o, denominator, grad_denominator, grad_denominator if numerator is None else numerator,
+            T, H, E, *grad_o.stride(), *o.stride(),
+            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret,
+            WRITE_NUMERATOR=with_numerator)
+    return (grad_denominator, numerator) if with_numerator else grad_denominator
+
+
+#: Tokens and columns a program of ``normalizer_terms_kernel`` takes.
+NORMALIZER_TERMS_TOKENS, NORMALIZER_TERMS_COLUMNS = 64, 32
+
+
+def _normalizer_terms(plain, x, grad_denominator, carry, *, reverse, out):
+    """``normalizer_terms_kernel`` into ``out``: dQ from the plain pass's float32 dQ and the keys
+    x (``carry``: z_0 or None), or with ``reverse`` dK from dK's and the queries (``carry``: G_z
+    or None). Returns dz_0 (B, H, D) float32 when ``reverse``."""
+    B, H, T, D = x.shape
+    total = torch.empty((B, H, D), dtype=torch.float32, device=x.device) if reverse else None
+    carry_arg = grad_denominator if carry is None else carry  # a stand-in the kernel never reads
+    carry_strides = (0, 0, 0) if carry is None else carry.stride()
+    block_d = min(NORMALIZER_TERMS_COLUMNS, triton.next_power_of_2(D))
+    with _launch_guard():
+        normalizer_terms_kernel[(B * H, triton.cdiv(D, block_d))](
+            plain, x, grad_denominator, carry_arg, out, grad_denominator if total is None else total,
+            T, H, D, int(carry is not None), *plain.stride(), *x.stride(), *out.stride(), *carry_strides,
+            REVERSE=int(reverse), BLOCK_T=NORMALIZER_TERMS_TOKENS, BLOCK_D=block_d)
+    return total
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
@@ -1051,39 +1142,37 @@ def _launch_normalized(q, k, v, initial_state, eps, config):
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
                                    needs_input_grad):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
-    plain backward's passes on g = dO / (d + eps), plus the denominator's terms (its gradient
-    r_t = -(g_t . out_t)) as PyTorch operations in float32. The dq and dk passes write float32:
-    the denominator's terms cancel much of them, which would magnify a 16-bit rounding. float16
-    runs the passes in float32: g falls below float16's normal range once d_t is a few thousand."""
+    plain backward's passes on g = dO / (d + eps), then the denominator's terms (its gradient
+    r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
+    rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
+    (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
+    that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
+    ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
-    work_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
-    q_w, k_w, v_w, g_w = (x.to(work_dtype) for x in (q, k, v, grad_o.float() / denominator[..., None]))
-    r = -(g_w.float() * o.float()).sum(-1, keepdim=True)  # (B, H, T, 1), from the g the passes see
-    grad_q = grad_k = grad_v = grad_initial_state = None
-    if needs_q:  # dq_t = plain(g) + r_t z_t
+    grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
+    q_w, k_w, v_w = (x.to(g.dtype) for x in (q, k, v))
+    grad_q = grad_k = grad_v = grad_initial_state = dz0 = None
+    grad_z = None if grad_final_state is None else grad_final_state[..., E]
+    if needs_q:
         s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
-        grad_q, _ = _launch(g_w, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
-        z = k.float().cumsum(2)
-        if initial_state is not None:
-            z += initial_state[..., E].unsqueeze(2)
-        grad_q = (grad_q + r * z).to(q.dtype)
-    # dz_s = G_z + sum_{t >= s} r_t q_t reaches every key s; its value at s = 0 is dz_0.
-    weighted_q = r * q.float()
-    if needs_k:  # dk_s = plain(g) + dz_s
+        plain_q, _ = _launch(g, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
+        grad_q = torch.empty_like(q)
+        _normalizer_terms(plain_q, k, grad_denominator, None if initial_state is None else initial_state[..., E],
+                          reverse=False, out=grad_q)
+    if needs_k:
         g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
-        grad_k, _ = _launch(v_w, g_w, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
-        dz = weighted_q.flip(2).cumsum(2).flip(2)
-        if grad_final_state is not None:
-            dz += grad_final_state[..., E].unsqueeze(2)
-        grad_k = (grad_k + dz).to(k.dtype)
+        plain_k, _ = _launch(v_w, g, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
+        grad_k = torch.empty_like(k)
+        dz0 = _normalizer_terms(plain_k, q, grad_denominator, grad_z, reverse=True, out=grad_k)
     if needs_v or needs_initial_state:
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
-        grad_v, grad_s0 = _launch(k_w, q_w, g_w, g_s, reverse=True, config=config)
+        grad_v, grad_s0 = _launch(k_w, q_w, g, g_s, reverse=True, config=config)
         grad_v = grad_v.to(v.dtype)
-        dz0 = weighted_q.sum(2)
-        if grad_final_state is not None:
-            dz0 += grad_final_state[..., E]
+        if dz0 is None:  # dz_0 = G_z + sum_t r_t q_t
+            dz0 = torch.einsum("bht,bhtd->bhd", grad_denominator, q.float())
+            if grad_z is not None:
+                dz0 += grad_z
         grad_initial_state = torch.cat([grad_s0, dz0.unsqueeze(-1)], dim=-1)
     return grad_q, grad_k, grad_v, grad_initial_state
 

@@ -31,13 +31,15 @@ denominator's gradient, beside it (a column of r next to g, a column of 1 next t
 ``normalizer_gradient_kernel`` makes r from dO, o and d + eps in one read of both, the suffix
 states' pass 1 (``NORMALIZER_GRADIENT``) makes g from dO and d + eps and sums r_t q_t as their
 column E, and the fused backward makes g again and adds r to the score gradients, r_t z to dQ
-and dz to dK. Where the fused kernel does not apply, PyTorch makes [g, r] and
-[v, 1] and pass 3 runs thrice on them, in float32.
+and dz to dK. Where the fused kernel does not apply, pass 3 runs thrice on g (bfloat16 for
+bfloat16 inputs, float32 otherwise; ``normalizer_gradient_kernel`` writes it beside r), dQ and
+dK in float32, and ``normalizer_terms_kernel`` adds r_t z_t to dQ and dz to dK in one walk each.
 ``FEATURE_MAP`` (a constexpr, with ``NORMALIZE`` only): "elu" (elu(x) + 1) or "relu" replaces q
 and k by phi(q), phi(k) as passes 1 and 3 and the backward's load them, in float32 then rounded
 to the input dtype as the products take them, with k's padding kept at 0; the backward stores
 dq = dphi(q) * phi'(q), dk likewise (elu + 1: phi' = min(phi, 1); relu: 0 where phi <= 0), and
-its passes on [g, r] map the same way in PyTorch. "identity" compiles to the kernels without a map.
+its passes take q and k mapped the same way in PyTorch, and ``normalizer_terms_kernel`` takes dq
+and dk through phi'. "identity" compiles to the kernels without a map.
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0;
 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest ``tl.dot`` on a GPU). Offsets
@@ -365,12 +367,14 @@ def normalizer_gradient_kernel(
     do_ptr, o_ptr,                  # dO and the normalised forward's output (B, H, T, E)
     denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
     grad_denominator_ptr,           # r (B, H, T) float32, contiguous, written
+    numerator_ptr,                  # g (B, H, T, E) contiguous, written if WRITE_NUMERATOR
     T, H, E,
     stride_dob, stride_doh, stride_dot, stride_doe,
     stride_ob, stride_oh, stride_ot, stride_oe,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,          # >= E: r sums over every value column
     INTERPRETED: tl.constexpr,
+    WRITE_NUMERATOR: tl.constexpr,  # the backward in passes: they take g as an input
 ):
     """The denominator's gradient r_t = -(g_t . out_t) for BLOCK_T tokens of one (batch, head),
     g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
@@ -393,6 +397,83 @@ def normalizer_gradient_kernel(
     row = pid_bh.to(tl.int64) * T
     b_g = _numerator_gradient(b_do, denominator_ptr + row, offs_t, mask_t, MIXED_DTYPE, tl.float32, INTERPRETED)
     tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
+    if WRITE_NUMERATOR:
+        tl.store(numerator_ptr + (row + offs_t[:, None]) * E + offs_e[None, :], b_g, mask=mask)
+
+
+@triton.jit
+def normalizer_terms_kernel(
+    plain_ptr,                      # dQ or dK of the plain passes on g (B, H, T, D) float32
+    x_ptr,                          # the summed features: phi(k) for dQ, phi(q) for dK (B, H, T, D)
+    phi_ptr,                        # the differentiated ones: phi(q) for dQ, phi(k) for dK (B, H, T, D)
+    grad_denominator_ptr,           # r (B, H, T) float32, contiguous
+    carry_ptr,                      # z_0 for dQ, G's z column for dK (N, H, D) float32: read if has_carry
+    out_ptr,                        # dQ or dK (B, H, T, D), written
+    total_ptr,                      # dz_0 (N, H, D) float32, contiguous: written if REVERSE
+    cu_seqlens_ptr,                 # N + 1 offsets (IS_VARLEN), or a stand-in
+    T, H, D, has_carry,
+    stride_pb, stride_ph, stride_pt, stride_pd,
+    stride_xb, stride_xh, stride_xt, stride_xd,
+    stride_fb, stride_fh, stride_ft, stride_fd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_cb, stride_ch, stride_cd,
+    REVERSE: tl.constexpr,          # 0: dQ's terms, 1: dK's
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr,        # program row n walks packed sequence n
+    FEATURE_MAP: tl.constexpr,
+):
+    """The denominator's terms of the backward in passes, for BLOCK_D columns of one (sequence,
+    head), in float32 from the plain part to the result: dQ_t = plain_t + r_t z_t with z_t = z_0 +
+    sum_{s <= t} phi(k_s) (REVERSE = 0), or dK_s = plain_s + dz_s with dz_s = G_z + sum_{t >= s}
+    r_t phi(q_t) (REVERSE = 1, walking the tokens from last to first; dz_0 stored), then through
+    the feature map. The terms cancel much of the plain part, so neither is rounded before they
+    meet. Each block of tokens takes its running sums from one ``tl.cumsum``, which adds no
+    later token to an earlier one: an inf or NaN stays on its side of the recurrence."""
+    pid_bh = tl.program_id(0)
+    n = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    if IS_VARLEN:  # a batch of one
+        b = n * 0
+        first = tl.load(cu_seqlens_ptr + n).to(tl.int64)
+        length = tl.load(cu_seqlens_ptr + n + 1).to(tl.int64) - first
+    else:
+        b = n
+        first = n * 0
+        length = T
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_i = tl.arange(0, BLOCK_T)
+    b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if has_carry:
+        b_sum = tl.load(carry_ptr + n * stride_cb + h * stride_ch + offs_d * stride_cd, mask=mask_d, other=0.0)
+    for i0 in tl.range(0, length, BLOCK_T):
+        mask_i = i0 + offs_i < length
+        if REVERSE:
+            rows = first + length - 1 - i0 - offs_i
+        else:
+            rows = first + i0 + offs_i
+        mask = mask_i[:, None] & mask_d[None, :]
+        b_x = tl.load(x_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xt + offs_d[None, :] * stride_xd,
+                      mask=mask, other=0.0).to(tl.float32)
+        b_r = tl.load(grad_denominator_ptr + (b * H + h) * T + rows, mask=mask_i, other=0.0)
+        b_plain = tl.load(plain_ptr + b * stride_pb + h * stride_ph + rows[:, None] * stride_pt
+                          + offs_d[None, :] * stride_pd, mask=mask, other=0.0)
+        if REVERSE:
+            b_summand = b_r[:, None] * b_x
+            b_out = b_plain + b_sum[None, :] + tl.cumsum(b_summand, axis=0)
+        else:
+            b_summand = b_x
+            b_out = b_plain + b_r[:, None] * (b_sum[None, :] + tl.cumsum(b_summand, axis=0))
+        b_sum += tl.sum(b_summand, axis=0)
+        if FEATURE_MAP != "identity":
+            b_phi = tl.load(phi_ptr + b * stride_fb + h * stride_fh + rows[:, None] * stride_ft
+                            + offs_d[None, :] * stride_fd, mask=mask, other=0.0)
+            b_out = _through_features(b_out, b_phi, FEATURE_MAP)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                 b_out.to(out_ptr.dtype.element_ty), mask=mask)
+    if REVERSE:
+        tl.store(total_ptr + pid_bh.to(tl.int64) * D + offs_d, b_sum, mask=mask_d)
 
 
 @triton.jit
@@ -1510,19 +1591,20 @@ def _segment_starts(k, v, initial, *, reverse, config, segments=None, normalize=
 
 
 def _segment_outputs(q, k, v, starts, *, reverse, config, initial=None, segments=None, n_sequences=None,
-                     denominator=None, eps=0.0, feature_map="identity"):
+                     denominator=None, eps=0.0, feature_map="identity", out_dtype=None):
     """Pass 3: o and the final state, every segment from its start state. Packed (``segments``),
     one final state per sequence: (n_sequences, H, D, E), and the pieces that start their
     sequence's walk in a segment start from its row of ``initial`` (the walk's S_0, or G when
     ``reverse``, a ``_States`` seen as ``starts`` is). With ``denominator``, a (B, H, T)
     float32 tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have
-    E + 1 columns, z last, and ``feature_map`` maps q and k as the kernel loads them."""
+    E + 1 columns, z last, and ``feature_map`` maps q and k as the kernel loads them. o is
+    written in ``out_dtype`` (None: q's)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_segments = -(-T // config["SEGMENT_LEN"])  # rounded up, as triton.cdiv but without its host cost
     block_d, block_e, chunk = _block(D), config["BLOCK_E"], config["CHUNK"]
     normalize = denominator is not None
-    o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
+    o = torch.empty_like(v, dtype=q.dtype if out_dtype is None else out_dtype)  # laid out as v, as in chunked
     final_state = torch.empty(B if segments is None else n_sequences, H, D, E + normalize, device=q.device,
                               dtype=torch.float32)
     initial = initial or starts  # without segments, a stand-in the kernel never follows
@@ -1575,15 +1657,48 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
 NORMALIZER_GRADIENT_TOKENS = 64
 
 
-def _normalizer_gradient(grad_o, o, denominator):
-    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``)."""
+def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False):
+    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``), and with
+    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
+    numerator = None
+    if with_numerator:
+        numerator = torch.empty((B, H, T, E), device=o.device,
+                                dtype=torch.bfloat16 if grad_o.dtype == torch.bfloat16 else torch.float32)
     with _launch_guard():
         normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
-            grad_o, o, denominator, grad_denominator, T, H, E, *grad_o.stride(), *o.stride(),
-            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret)
-    return grad_denominator
+            grad_o, o, denominator, grad_denominator, grad_denominator if numerator is None else numerator,
+            T, H, E, *grad_o.stride(), *o.stride(),
+            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret,
+            WRITE_NUMERATOR=with_numerator)
+    return (grad_denominator, numerator) if with_numerator else grad_denominator
+
+
+#: Tokens and columns a program of ``normalizer_terms_kernel`` takes.
+NORMALIZER_TERMS_TOKENS, NORMALIZER_TERMS_COLUMNS = 64, 32
+
+
+def _normalizer_terms(plain, x, phi, grad_denominator, carry, *, reverse, out, cu_seqlens=None,
+                      feature_map="identity"):
+    """``normalizer_terms_kernel`` into ``out``: dQ from the plain pass's float32 dQ and the keys'
+    features x (``carry``: z_0 or None), or with ``reverse`` dK from dK's and the queries'
+    (``carry``: G_z or None), taken through ``feature_map`` at ``phi``. Returns dz_0 (N, H, D)
+    float32 when ``reverse``."""
+    B, H, T, D = x.shape
+    rows = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    total = torch.empty((rows, H, D), dtype=torch.float32, device=x.device) if reverse else None
+    carry_arg = grad_denominator if carry is None else carry  # a stand-in the kernel never reads
+    carry_strides = (0, 0, 0) if carry is None else carry.stride()
+    block_d = min(NORMALIZER_TERMS_COLUMNS, triton.next_power_of_2(D))
+    with _launch_guard():
+        normalizer_terms_kernel[(rows * H, triton.cdiv(D, block_d))](
+            plain, x, phi, grad_denominator, carry_arg, out, grad_denominator if total is None else total,
+            grad_denominator if cu_seqlens is None else cu_seqlens,
+            T, H, D, int(carry is not None), *plain.stride(), *x.stride(), *phi.stride(), *out.stride(),
+            *carry_strides, REVERSE=int(reverse), BLOCK_T=NORMALIZER_TERMS_TOKENS, BLOCK_D=block_d,
+            IS_VARLEN=cu_seqlens is not None, FEATURE_MAP=feature_map)
+    return total
 
 
 def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_len, fused, compute_dq,
@@ -1622,19 +1737,21 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
     return dq, dk, dv, ds0
 
 
-def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_final, overrides, needs, packed):
+def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_final, overrides, needs, packed,
+                        query_key_dtype=None):
     """dq, dk, dv, dS_0 (None where not needed) from pass 3 run up to three times (and passes 1
     and 2 once, for the suffix states), every product cut into the forward's segments:
     dQ = forward product (dO, V, K) from the forward's start states transposed; dV = reverse
     product (K, Q, dO) from G, whose final state is dS_0; dK = reverse product (V, dO, Q) from the
     same suffix states transposed. ``needs``: (q, k, v, initial state). ``forward_initial``: S_0,
-    where packed pieces start their forward walk."""
+    where packed pieces start their forward walk. dq and dk are written in ``query_key_dtype``
+    (None: that of their pass's operands)."""
     need_q, need_k, need_v, need_initial = needs
     dq = dk = dv = d_initial = None
     if need_q:
         dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
                                  config=_resolve_config(grad_o, k, overrides), initial=forward_initial.transposed(),
-                                 **packed)
+                                 out_dtype=query_key_dtype, **packed)
     if need_k or need_v or need_initial:
         config = _resolve_config(k, grad_o, overrides)
         suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
@@ -1645,7 +1762,7 @@ def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_f
         if need_k:
             dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
                                      config=_resolve_config(v, q, overrides), initial=grad_final.transposed(),
-                                     **packed)
+                                     out_dtype=query_key_dtype, **packed)
     return dq, dk, dv, d_initial
 
 
@@ -1711,48 +1828,46 @@ def _features_of(x, feature_map):
     return torch.where(x32 < 0, 0.0, x32).to(x.dtype)
 
 
-def _through_features_of(grad, phi, feature_map):
-    """The gradient of x from ``grad``, that of phi(x), as the kernels take it (``_through_features``)."""
-    phi = phi.float()
-    if feature_map == "elu":
-        return grad * torch.where(phi < 1, phi, 1.0)
-    return torch.where(phi <= 0, 0.0, grad)
-
-
 def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts, forward_initial, grad_final,
-                                   overrides, needs, packed, feature_map="identity"):
+                                   overrides, needs, packed, feature_map, z0, grad_z):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64):
-    ``_backward_in_passes`` on the plain product's operands widened by one column, the
-    denominator's: dO -> [g, r] with g_t = dO_t / (d_t + eps) and r_t = -(g_t . out_t), v -> [v, 1].
-    Then dQ's product adds r_t z_t (z: column E of the forward's start states), dK's adds dz_s =
-    G_z + sum_{t >= s} r_t q_t (column E of G and of the suffix states), and dV's final state
-    ends on [dS_0, dz_0]; dV is its first E columns. g, r and the ones are made here in PyTorch
-    (elementwise passes), and the passes run in float32 for every input dtype: r and z enter
-    the products as operands, and the denominator's terms cancel much of dq and dk, which would
-    magnify their rounding to 16 bits (bfloat16's dq then errs by about 6 %). With a
-    ``feature_map``, q and k are mapped here as the forward's kernels mapped them, and dq, dk are
-    taken through the map."""
+    ``_backward_in_passes`` on g = dO / (d + eps), then the denominator's terms (its gradient
+    r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
+    rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
+    (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
+    that g_t . v_s + r_t cancels where it should. The passes read the first E columns of the
+    forward's (S, z) states, write dq and dk in float32, and ``normalizer_terms_kernel``
+    completes them with r_t z_t and dz_s (z_0 and G_z: ``z0``, ``grad_z``, None for zeros) before
+    rounding; dz_0 comes from dK's terms, which run whenever dS_0 is needed. With a
+    ``feature_map``, q and k are mapped here as the forward's kernels mapped them."""
     raw_q, raw_k = q, k
     if feature_map != "identity":
         q, k = _features_of(q, feature_map), _features_of(k, feature_map)
-    g = grad_o.float() / denominator.unsqueeze(-1)
-    r = -(g * o.float()).sum(-1, keepdim=True)
-    widened_grad = torch.cat([g, r], dim=-1)
-    widened_v = torch.cat([v.float(), v.new_ones((*v.shape[:-1], 1), dtype=torch.float32)], dim=-1)
+    grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
     need_q, need_k, need_v, need_initial = needs
-    dq, dk, widened_dv, d_initial = _backward_in_passes(
-        q.float(), k.float(), widened_v, widened_grad, forward_starts, forward_initial, grad_final, overrides,
-        (need_q, need_k, need_v or need_initial, need_initial), packed)
-    if feature_map != "identity":
-        dq = None if dq is None else _through_features_of(dq, q, feature_map)
-        dk = None if dk is None else _through_features_of(dk, k, feature_map)
-    return (None if dq is None else dq.to(raw_q.dtype), None if dk is None else dk.to(raw_k.dtype),
-            None if widened_dv is None else widened_dv[..., :-1].to(v.dtype), d_initial)
+    plain_q, plain_k, dv, ds0 = _backward_in_passes(
+        *(x.to(g.dtype) for x in (q, k, v)), g, forward_starts, forward_initial, grad_final, overrides,
+        (need_q, need_k or need_initial, need_v or need_initial, need_initial), packed, query_key_dtype=torch.float32)
+    cu_seqlens = None
+    if packed["segments"] is not None:  # the table ends on the N + 1 offsets
+        cu_seqlens = packed["segments"][-(packed["n_sequences"] + 1):]
+    terms = {"cu_seqlens": cu_seqlens, "feature_map": feature_map}
+    dq = dk = d_initial = None
+    if need_q:
+        dq = torch.empty_like(raw_q)
+        _normalizer_terms(plain_q, k, q, grad_denominator, z0, reverse=False, out=dq, **terms)
+    if need_k or need_initial:
+        dk = torch.empty_like(raw_k)
+        dz0 = _normalizer_terms(plain_k, q, k, grad_denominator, grad_z, reverse=True, out=dk, **terms)
+        if need_initial:
+            d_initial = torch.cat([ds0, dz0.unsqueeze(-1)], dim=-1)
+    return dq, dk, None if dv is None else dv.to(v.dtype), d_initial
 
 
 class _ScanNormalizedAttention(torch.autograd.Function):
     """Forward: passes 1 to 3 with the normaliser (two launches). Backward: the suffix states'
-    passes 1 and 2 and one fused pass 3 with the denominator's terms, or the passes on [g, r]."""
+    passes 1 and 2 and one fused pass 3 with the denominator's terms, or the passes on g and
+    the terms' walks."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, eps, config, cu_seqlens, feature_map):
@@ -1799,9 +1914,10 @@ class _ScanNormalizedAttention(torch.autograd.Function):
                                                      feature_map=ctx.feature_map,
                                                      **packed)
         else:
-            dq, dk, dv, d_initial = _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_starts,
-                                                                   forward_initial, grad_final, overrides, needs,
-                                                                   packed, ctx.feature_map)
+            dq, dk, dv, d_initial = _normalized_backward_in_passes(
+                q, k, v, o, denominator, grad_o, forward_starts, forward_initial, grad_final, overrides, needs, packed,
+                ctx.feature_map, None if initial_state is None else initial_state[..., E],
+                None if grad_final_state is None else grad_final_state[..., E])
         return (dq, dk if needs[1] else None, dv if needs[2] else None, d_initial if needs[3] else None,
                 None, None, None, None)
 
