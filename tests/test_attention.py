@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ttx_tutorial
-from ttx_tutorial.kernels import chunked
+from ttx_tutorial.kernels import chunked, scan
 from test_ops import calls, capturing_backend
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
                                   relative_error)
@@ -311,6 +311,28 @@ def check_normalised_entry(entry, dtype, T, D, E, config, with_state, what, feat
     # Features mapped in the kernel are rounded to the input dtype, those of the reference are not.
     assert_close(state, expected_state, torch.float32 if mapped else dtype, f"{what} final (S, z)")
     check_gradients((q, k, v, s0), expected_grads[:3 if s0 is None else 4], dtype, what)
+
+
+@pytest.mark.parametrize("entry", ["chunked", "scan"])
+def test_passes_give_the_initial_state_its_gradient_when_k_needs_none(entry):
+    """Heads over 64 take the backward in passes, where dz_0 (the z column of dS_0) comes from dk's
+    terms walk: it must run for dS_0 even when k needs no gradient. q and S_0 against float64."""
+    function = {"chunked": chunked.chunked_normalized_attention,
+                "scan": lambda *a, **kw: scan.scan_normalized_attention(*a, config={"SEGMENT_LEN": 64}, **kw)}[entry]
+    phi = FEATURE_MAPS["elu"][1]
+    raw = random_inputs(1, 2, 150, 72, 8, dtype=torch.bfloat16)
+    q = phi(raw[0]).detach().requires_grad_()
+    k = phi(raw[1]).detach()
+    v = raw[2].detach()
+    s0 = state_after_prefix(1, 2, 72, 8, phi)
+    with poisoned_allocations():
+        out, state = function(q, k, v, s0, eps=1e-3)
+        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+        torch.autograd.backward((out, state), (grad_out, grad_state))
+    _, _, expected_dq, _, _, expected_ds0 = reference_with_state((q, k, v), s0, phi, 1e-3, grad_out, grad_state,
+                                                                  mapped=True)
+    assert relative_error(q.grad, expected_dq) <= NORMALISED_BF16_DQ_TOLERANCE
+    assert_close(s0.grad, expected_ds0, torch.bfloat16, "dS_0")
 
 
 def check_packed_normalised_entry(entry, lengths, dtype, H=2, D=8, E=5):

@@ -1147,12 +1147,13 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
     rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
     (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
     that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
-    ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding."""
+    ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding; dz_0 comes from
+    dK's terms, which run whenever dS_0 is needed."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
     grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
     q_w, k_w, v_w = (x.to(g.dtype) for x in (q, k, v))
-    grad_q = grad_k = grad_v = grad_initial_state = dz0 = None
+    grad_q = grad_k = grad_v = grad_initial_state = None
     grad_z = None if grad_final_state is None else grad_final_state[..., E]
     if needs_q:
         s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
@@ -1160,7 +1161,7 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
         grad_q = torch.empty_like(q)
         _normalizer_terms(plain_q, k, grad_denominator, None if initial_state is None else initial_state[..., E],
                           reverse=False, out=grad_q)
-    if needs_k:
+    if needs_k or needs_initial_state:
         g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
         plain_k, _ = _launch(v_w, g, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
         grad_k = torch.empty_like(k)
@@ -1169,16 +1170,13 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
         grad_v, grad_s0 = _launch(k_w, q_w, g, g_s, reverse=True, config=config)
         grad_v = grad_v.to(v.dtype)
-        if dz0 is None:  # dz_0 = G_z + sum_t r_t q_t
-            dz0 = torch.einsum("bht,bhtd->bhd", grad_denominator, q.float())
-            if grad_z is not None:
-                dz0 += grad_z
-        grad_initial_state = torch.cat([grad_s0, dz0.unsqueeze(-1)], dim=-1)
+        if needs_initial_state:
+            grad_initial_state = torch.cat([grad_s0, dz0.unsqueeze(-1)], dim=-1)
     return grad_q, grad_k, grad_v, grad_initial_state
 
 
 class _ChunkedNormalizedAttention(torch.autograd.Function):
-    """Forward: one pass. Backward: one fused launch, or the plain passes on g and PyTorch's terms."""
+    """Forward: one pass. Backward: one fused launch, or the plain passes on g and the terms' walks."""
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, eps, config):
