@@ -40,7 +40,7 @@ from ttx_tutorial import testing
 CHILD_TIMEOUT_S = 3600
 
 #: Kernel families, by the file under ttx_tutorial/kernels/ that holds them.
-FAMILIES = ("recurrent", "chunked", "scan", "step")
+FAMILIES = ("recurrent", "chunked", "scan", "step", "feature_map")
 
 #: The device limits the wrappers see while their launches are recorded, (multiprocessors,
 #: shared memory per block opt-in), and the target those launches are compiled for.
@@ -58,10 +58,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def kernel_module(family):
-    """The kernel file of a method, through the API's method table; the step has no method."""
-    if family == "step":
-        from ttx_tutorial.kernels import step
-        return step
+    """The kernel file of a method, through the API's method table; the step and the feature maps
+    have no method."""
+    if family in ("step", "feature_map"):
+        import importlib
+        return importlib.import_module(f"ttx_tutorial.kernels.{family}")
     import ttx_tutorial
     return inspect.getmodule(ttx_tutorial.method_info(family).function)
 
@@ -81,6 +82,8 @@ def wrapper_calls(module):
     backward for the causal products) at one point of the grid; ``call`` describes that point."""
     if module.__name__.endswith(".step"):
         return step_calls(module)
+    if module.__name__.endswith(".feature_map"):
+        return feature_map_calls(module)
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
@@ -171,6 +174,28 @@ def step_calls(step):
                         call = {"shape": [B, H, 1, D, E], "dtype": str(dtype).removeprefix("torch."),
                                 "config": None, "feature_map": feature_map, "normalize": normalize}
                         calls.append((call, thunk))
+    return calls
+
+
+def feature_map_calls(feature_map):
+    """The feature maps, forward and backward: every map and dtype, head dimensions from 1 to 256,
+    a layer's heads (strided views) and contiguous tensors."""
+    calls = []
+    for dtype in DTYPES:
+        for name in feature_map.FEATURE_MAPS:
+            for D in (1, 17, 64, 128, 256):
+                for B, H, T, strided in ((1, 1, 1, False), (2, 3, 777, False), (2, 3, 777, True)):
+                    def thunk(B=B, H=H, T=T, D=D, dtype=dtype, name=name, strided=strided):
+                        shape = (B, T, H, D) if strided else (B, H, T, D)
+                        q, k = (torch.empty(shape, dtype=dtype) for _ in range(2))
+                        if strided:
+                            q, k = q.transpose(1, 2), k.transpose(1, 2)
+                        phi_q, phi_k = feature_map._launch(q, k, name)
+                        feature_map._launch_backward(torch.empty_like(phi_q), torch.empty_like(phi_k), phi_q, phi_k,
+                                                     name)
+                    call = {"shape": [B, H, T, D], "dtype": str(dtype).removeprefix("torch."), "config": None,
+                            "feature_map": name, "strided": strided}
+                    calls.append((call, thunk))
     return calls
 
 

@@ -23,9 +23,12 @@ pass, which forms the denominator from the chunk's masked scores and z and divid
 the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps) and the
 denominator's gradient themselves (for float32 and wide heads, as chunked's: the plain passes
 on dO / (d + eps), then the denominator's terms in one walk over the tokens each). Every kernel takes
-features PyTorch maps: the scan kernel file can also map "elu" and "relu" as it loads q and k
+features: for "elu" and "relu" the Triton methods map q and k in one launch of
+``kernels/feature_map.py`` (and its backward in one more), where PyTorch's ``F.elu(x) + 1`` makes
+two elementwise passes over each; callables, the PyTorch references and traced graphs map with
+PyTorch. The scan kernel file can also map "elu" and "relu" as it loads q and k
 (``scan_normalized_attention(feature_map=)``), but on an H200 that made its backward slower
-than PyTorch's two elementwise passes (benchmarks/NOTES.md).
+than mapping beforehand (benchmarks/NOTES.md).
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
 normalised product, which runs the chunked kernels on features the graph maps; "recurrent"
 and "scan" there take the ones column.
@@ -54,8 +57,9 @@ from torch import nn
 from . import ops
 from ._device import DEVICE
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
-from .api import AUTO, causal_product, choose_method
+from .api import AUTO, METHODS, causal_product, choose_method, method_info
 from .kernels import chunked as _chunked
+from .kernels import feature_map as _feature_map
 from .kernels import recurrent as _recurrent
 from .kernels import scan as _scan
 from .kernels import step as _step
@@ -132,6 +136,22 @@ def _mapped(feature, x, name):
     return phi
 
 
+def _features(feature_map, feature, q, k):
+    """(phi(q), phi(k)) for the kernels: a named map in one launch of ``kernels/feature_map.py``
+    each way, where q and k can take it; PyTorch's operations otherwise (a callable, float64,
+    another device, and while torch.compile traces, where the compiler fuses them itself)."""
+    if (type(feature_map) is str and feature_map in _feature_map.FEATURE_MAPS
+            and q.dim() == 4 and q.shape == k.shape and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
+            and q.device.type == DEVICE.type and q.device == k.device and not torch.compiler.is_compiling()):
+        with _on_tensors_device(q):
+            return _feature_map._run_validated(q, k, feature_map)
+    return _mapped(feature, q, "q"), _mapped(feature, k, "k")
+
+
+def _is_kernel_method(method):
+    return method == AUTO or (isinstance(method, str) and method in METHODS and method_info(method).is_triton)
+
+
 def _on_tensors_device(x):
     """Launch on the tensors' GPU, not the current one."""
     if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
@@ -189,7 +209,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
-            phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
+            phi_q, phi_k = _features(feature_map, feature, q, k)
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
             else:
@@ -200,7 +220,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
     compute_dtype = _compute_dtype(out_dtype, normalize)
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     with no_autocast:
-        phi_q, phi_k = feature(q), feature(k)
+        if _is_kernel_method(method):
+            phi_q, phi_k = _features(feature_map, feature, q, k)
+        else:  # the PyTorch references keep PyTorch's map: the kernels are checked against them
+            phi_q, phi_k = feature(q), feature(k)
         if normalize:
             ones = v.new_ones((*v.shape[:-1], 1))
             v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
