@@ -87,7 +87,7 @@ def wrapper_calls(module):
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
-            normalized=False, feature_map=None):
+            normalized=False, feature_map=None, features=None):
         def thunk():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
@@ -100,13 +100,15 @@ def wrapper_calls(module):
             if normalized:  # the states carry z as an extra column
                 packing = {} if packed is None else {"cu_seqlens": packed}
                 mapping = {} if feature_map is None else {"feature_map": feature_map}
+                if features is not None:  # q and k raw, their features made beforehand (chunked)
+                    mapping = {"features": (features, torch.empty_like(q).detach(), torch.empty_like(k).detach())}
                 o, state = module._run_normalized_validated(q, k, v, s0, 1e-6, config, **packing, **mapping)
             else:
                 o, state = module._run_validated(q, k, v, s0, config=config, cu_seqlens=packed)
             torch.autograd.backward((o, state), (torch.empty_like(o), torch.empty_like(state)))
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
                 "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized,
-                "feature_map": feature_map}
+                "feature_map": feature_map or features}
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -142,6 +144,14 @@ def wrapper_calls(module):
                 add(2, 3, 777, 17, 33, dtype, normalized=True, feature_map="elu")
             add(2, 3, 777, 64, 64, torch.bfloat16, normalized=True, feature_map="elu")
             add(2, 3, 777, 17, 33, torch.bfloat16, normalized=True, feature_map="relu")
+        # The map's derivative in chunked's backward (FEATURE_MAP of the fused kernel, its token
+        # walks and the terms' walks): the fused backward and the passes, each map.
+        if "features" in inspect.signature(module._run_normalized_validated).parameters:
+            for name in ("elu", "relu"):
+                for dtype in DTYPES:
+                    add(2, 3, 777, 17, 33, dtype, normalized=True, features=name)
+                add(2, 3, 777, 64, 64, torch.bfloat16, normalized=True, features=name)
+                add(2, 3, 777, 128, 128, torch.bfloat16, normalized=True, features=name)
         # Normalised packed sequences (IS_VARLEN with NORMALIZE): recurrent's (both walks) and scan's.
         if "cu_seqlens" in inspect.signature(module._run_normalized_validated).parameters:
             for dtype in DTYPES:

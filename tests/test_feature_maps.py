@@ -150,3 +150,71 @@ def test_attention_maps_named_features_in_the_kernel(method, normalize, feature,
     if normalize:
         expected = expected / (weights.sum(-1, keepdim=True) + 1e-6)
     testing.assert_close(out, expected, torch.float32, f"{method} {feature}")
+
+
+def attention64(q, k, v, s0, phi, eps=1e-6):
+    """float64 (out, state) of the normalised attention, state (S, z) continued from s0."""
+    pq, pk = phi(q), phi(k)
+    weights = (pq @ pk.transpose(-1, -2)).tril()
+    numerator = weights @ v + pq @ s0[..., :-1]
+    denominator = weights.sum(-1, keepdim=True) + pq @ s0[..., -1:]
+    state = s0 + torch.cat([pk.transpose(-1, -2) @ v, pk.sum(2)[..., None]], dim=-1)
+    return numerator / (denominator + eps), state
+
+
+@pytest.mark.parametrize("name", feature_map.FEATURE_MAPS)
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 16), (torch.float16, 64), (torch.bfloat16, 72),
+                                      (torch.float32, 16)])
+def test_chunked_backward_takes_the_maps_derivative(name, dtype, D, monkeypatch, device):
+    """method="chunked" with a named map: the fused backward (16-bit, D <= 64) or the passes'
+    terms walks (float32, wider heads) store the raw inputs' gradients themselves, and the map's
+    own backward never runs. Out, state and every gradient (dS_0 included) against float64,
+    outputs poisoned."""
+    backward_launches = []
+    original = feature_map._launch_backward
+    monkeypatch.setattr(feature_map, "_launch_backward", lambda *a: backward_launches.append(1) or original(*a))
+    q, k, v = testing.random_inputs(2, 2, 150, D, 24, dtype=dtype, device=device, seed=11, requires_grad=True)
+    s0 = torch.rand(2, 2, D, 25, device=device).mul_(4).requires_grad_(True)
+    with testing.poisoned_allocations():
+        out, state = ttx_tutorial.causal_linear_attention(q, k, v, feature_map=name, method="chunked",
+                                                          initial_state=s0, return_state=True)
+        grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+        grads = torch.autograd.grad((out, state), (q, k, v, s0), (grad_out, grad_state))
+    assert not backward_launches
+    leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v, s0)]
+    expected = attention64(*leaves, REFERENCE_MAPS[name])
+    expected_grads = torch.autograd.grad(expected, leaves, (grad_out.double().cpu(), grad_state.double().cpu()))
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}[dtype]  # dq's cancellation
+    for label, got, want in (("out", out, expected[0]), ("state", state, expected[1]),
+                             *zip(("dq", "dk", "dv", "dS_0"), grads, expected_grads)):
+        error = testing.relative_error(got, want)
+        assert error <= tolerance, f"{name} {dtype} D={D} {label}: {error:.2e}"
+
+
+@pytest.mark.parametrize("name", feature_map.FEATURE_MAPS)
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 16), (torch.float32, 16)])
+def test_chunked_derivative_in_the_token_walks_matches_the_maps_backward(name, dtype, D, device):
+    """An inf in one key and a NaN in one query send the chunked backward's programs to their
+    token-by-token walks, which take the map's derivative too: the same non-finite places and
+    the same finite values (to rounding) as the map's own backward after the kernels on features."""
+    q, k, v = testing.random_inputs(1, 2, 100, D, 8, dtype=dtype, device=device, seed=12)
+    k[0, 0, 40, 3] = float("inf")
+    q[0, 1, 70, 5] = float("nan")
+    grad_out = torch.randn(1, 2, 100, 8, dtype=dtype, device=device)
+    results = []
+    for fused_derivative in (True, False):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        if fused_derivative:
+            out = ttx_tutorial.causal_linear_attention(*leaves, feature_map=name, method="chunked")
+        else:
+            phi_q, phi_k = feature_map.feature_maps(leaves[0], leaves[1], name)
+            out = ttx_tutorial.causal_linear_attention(phi_q, phi_k, leaves[2], feature_map="identity",
+                                                       method="chunked")
+        results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    for label, fused, separate in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(torch.isnan(fused), torch.isnan(separate)), f"{label}: NaN in other places"
+        assert torch.equal(torch.isinf(fused), torch.isinf(separate)), f"{label}: inf in other places"
+        finite = torch.isfinite(fused)
+        assert finite.any(), label
+        torch.testing.assert_close(fused[finite].float(), separate[finite].float(),
+                                   rtol=testing.tolerance(dtype), atol=testing.tolerance(dtype))

@@ -24,9 +24,10 @@ the store; the backward's suffix sums and its fused pass make dO_t / (d_t + eps)
 denominator's gradient themselves (for float32 and wide heads, as chunked's: the plain passes
 on dO / (d + eps), then the denominator's terms in one walk over the tokens each). Every kernel takes
 features: for "elu" and "relu" the Triton methods map q and k in one launch of
-``kernels/feature_map.py`` (and its backward in one more), where PyTorch's ``F.elu(x) + 1`` makes
-two elementwise passes over each; callables, the PyTorch references and traced graphs map with
-PyTorch. The scan kernel file can also map "elu" and "relu" as it loads q and k
+``kernels/feature_map.py``, where PyTorch's ``F.elu(x) + 1`` makes two elementwise passes over
+each. The chunked backward takes the map's derivative as it stores dq and dk (the features are
+made outside autograd); the recurrent and scan ones are followed by the map's backward, one more
+launch. Callables, the PyTorch references and traced graphs map with PyTorch. The scan kernel file can also map "elu" and "relu" as it loads q and k
 (``scan_normalized_attention(feature_map=)``), but on an H200 that made its backward slower
 than mapping beforehand (benchmarks/NOTES.md).
 While ``torch.compile`` traces, "chunked" and "auto" are one operator, ``ttx_tutorial.ops``'s
@@ -136,13 +137,19 @@ def _mapped(feature, x, name):
     return phi
 
 
+def _maps_in_a_kernel(feature_map, q, k):
+    """Whether ``kernels/feature_map.py`` maps q and k: a named map it has, tensors it takes, and
+    not while torch.compile traces (the compiler fuses PyTorch's map itself)."""
+    return (type(feature_map) is str and feature_map in _feature_map.FEATURE_MAPS
+            and q.dim() == 4 and q.shape == k.shape and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
+            and q.device.type == DEVICE.type and q.device == k.device and not torch.compiler.is_compiling())
+
+
 def _features(feature_map, feature, q, k):
     """(phi(q), phi(k)) for the kernels: a named map in one launch of ``kernels/feature_map.py``
     each way, where q and k can take it; PyTorch's operations otherwise (a callable, float64,
-    another device, and while torch.compile traces, where the compiler fuses them itself)."""
-    if (type(feature_map) is str and feature_map in _feature_map.FEATURE_MAPS
-            and q.dim() == 4 and q.shape == k.shape and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
-            and q.device.type == DEVICE.type and q.device == k.device and not torch.compiler.is_compiling()):
+    another device, and while torch.compile traces)."""
+    if _maps_in_a_kernel(feature_map, q, k):
         with _on_tensors_device(q):
             return _feature_map._run_validated(q, k, feature_map)
     return _mapped(feature, q, "q"), _mapped(feature, k, "k")
@@ -209,6 +216,15 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if initial_state is not None:
             initial_state = initial_state.float()
         with no_autocast:
+            if kernel_file is _chunked and _maps_in_a_kernel(feature_map, q, k):
+                # The chunked backward takes the map's derivative as it stores dq and dk: the
+                # features are made outside autograd, and the gradients go to q and k themselves.
+                with _on_tensors_device(q):
+                    with torch.no_grad():
+                        phi_q, phi_k = _feature_map._run_validated(q, k, feature_map)
+                    out, state = _chunked._run_normalized_validated(q, k, v, initial_state, eps,
+                                                                    features=(feature_map, phi_q, phi_k))
+                return (out, state) if return_state else out
             phi_q, phi_k = _features(feature_map, feature, q, k)
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)

@@ -230,6 +230,7 @@ class _SavedNormalizedInputs:
         self.saved_tensors = (q, k, v, initial_state, o, denominator)
         self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
         self.config = None
+        self.feature_map = "identity"  # the operator takes features: the graph maps them
 
 
 @torch.library.custom_op("ttx_tutorial::normalized_causal_product_backward", mutates_args=())

@@ -21,7 +21,10 @@ sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t 
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
 and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
 ``normalizer_gradient_kernel`` (for the three passes, g beside it, and ``normalizer_terms_kernel``
-adds r_t z_t to their dQ and dz to their dK in one walk each).
+adds r_t z_t to their dQ and dz to their dK in one walk each). ``FEATURE_MAP`` ("elu" or "relu",
+with q and k the features of raw inputs that map made beforehand): the backward takes the map's
+derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which are then
+the raw inputs' gradients (``_run_normalized_validated(features=)``).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
@@ -132,6 +135,20 @@ def _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE: tl.c
 
 
 @triton.jit
+def _through_features(b_grad, b_phi, FEATURE_MAP: tl.constexpr):
+    """The gradient of x from b_grad (float32), the gradient of phi(x), and the feature phi(x)
+    itself. elu + 1: phi'(x) is 1 above 0 and exp(x) = phi(x) below, so min(phi(x), 1); relu: 0
+    where phi(x) <= 0, by selection (an inf gradient times 0 would be NaN); a NaN feature passes
+    the gradient on, as PyTorch's backward of elu and relu does."""
+    if FEATURE_MAP == "elu":
+        b_phi = b_phi.to(tl.float32)
+        return b_grad * tl.where(b_phi < 1.0, b_phi, 1.0)
+    if FEATURE_MAP == "relu":
+        return tl.where(b_phi <= 0, 0.0, b_grad)
+    return b_grad
+
+
+@triton.jit
 def normalizer_gradient_kernel(
     do_ptr, o_ptr,                  # dO and the normalised forward's output (B, H, T, E)
     denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
@@ -173,6 +190,7 @@ def normalizer_gradient_kernel(
 def normalizer_terms_kernel(
     plain_ptr,                      # dQ or dK of the plain passes on g (B, H, T, D) float32
     x_ptr,                          # the summed features: k for dQ, q for dK (B, H, T, D)
+    phi_ptr,                        # the differentiated features: q for dQ, k for dK (FEATURE_MAP)
     grad_denominator_ptr,           # r (B, H, T) float32, contiguous
     carry_ptr,                      # z_0 for dQ, G's z column for dK (B, H, D) float32: read if has_carry
     out_ptr,                        # dQ or dK (B, H, T, D), written
@@ -180,17 +198,20 @@ def normalizer_terms_kernel(
     T, H, D, has_carry,
     stride_pb, stride_ph, stride_pt, stride_pd,
     stride_xb, stride_xh, stride_xt, stride_xd,
+    stride_fb, stride_fh, stride_ft, stride_fd,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_cb, stride_ch, stride_cd,
     REVERSE: tl.constexpr,          # 0: dQ's terms, 1: dK's
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FEATURE_MAP: tl.constexpr,      # "identity", or the map that made q and k: the result taken through it
 ):
     """The denominator's terms of the backward in passes, for BLOCK_D columns of one (batch,
     head), in float32 from the plain part to the rounded result: dQ_t = plain_t + r_t z_t with
     z_t = z_0 + sum_{s <= t} k_s (REVERSE = 0), or dK_s = plain_s + dz_s with dz_s = G_z +
-    sum_{t >= s} r_t q_t (REVERSE = 1, walking the tokens from last to first; dz_0 stored). The
-    terms cancel much of the plain part, so neither is rounded before they meet. Each block of
+    sum_{t >= s} r_t q_t (REVERSE = 1, walking the tokens from last to first; dz_0 stored), then
+    through the feature map. The terms cancel much of the plain part, so neither is rounded before
+    they meet. Each block of
     tokens takes its running sums from one ``tl.cumsum``, which adds no later token to an
     earlier one: an inf or NaN stays on its side of the recurrence."""
     pid_bh = tl.program_id(0)
@@ -221,6 +242,10 @@ def normalizer_terms_kernel(
             b_summand = b_x
             b_out = b_plain + b_r[:, None] * (b_sum[None, :] + tl.cumsum(b_summand, axis=0))
         b_sum += tl.sum(b_summand, axis=0)
+        if FEATURE_MAP != "identity":
+            b_phi = tl.load(phi_ptr + b * stride_fb + h * stride_fh + rows[:, None] * stride_ft
+                            + offs_d[None, :] * stride_fd, mask=mask, other=0.0)
+            b_out = _through_features(b_out, b_phi, FEATURE_MAP)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :] * stride_od,
                  b_out.to(out_ptr.dtype.element_ty), mask=mask)
     if REVERSE:
@@ -305,14 +330,16 @@ def _token_gradients(do_ptr, grad_denominator_ptr, denominator_ptr, t, offs_e, m
 
 
 @triton.jit
-def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, grad_denominator_ptr, denominator_ptr, state_ptr,
-                                    has_state, T, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt,
-                                    stride_kd, stride_dqt, stride_dqd, stride_sd, stride_se,
-                                    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                                    NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, q_ptr, dq_ptr, grad_denominator_ptr, denominator_ptr,
+                                    state_ptr, has_state, T, D, E, stride_dot, stride_doe, stride_vt, stride_ve,
+                                    stride_kt, stride_kd, stride_qt, stride_qd, stride_dqt, stride_dqd,
+                                    stride_sd, stride_se, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                    NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
+                                    INTERPRETED: tl.constexpr):
     """Rewrites dq for tokens [0, T) from P = S_0 (D x E, and z_0), one token at a time:
-    P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t, plus r_t z), in float32; causal by
-    construction, as ``_outputs_token_by_token``."""
+    P <- P + k_t v_t^T, dq_t = P g_t (NORMALIZE: z <- z + k_t, plus r_t z), in float32, then
+    through FEATURE_MAP's derivative at q_t (q is read only then); causal by construction, as
+    ``_outputs_token_by_token``."""
     b_p, b_z = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
@@ -328,6 +355,9 @@ def _query_gradients_token_by_token(do_ptr, v_ptr, k_ptr, dq_ptr, grad_denominat
         if NORMALIZE:
             b_z += b_k
             b_dq += b_grad_denominator * b_z
+        if FEATURE_MAP != "identity":
+            b_dq = _through_features(b_dq, tl.load(q_ptr + t * stride_qt + offs_d * stride_qd, mask=mask_d, other=0.0),
+                                     FEATURE_MAP)
         tl.store(dq_ptr + t * stride_dqt + offs_d * stride_dqd, _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
 
@@ -339,10 +369,12 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
                                         stride_dot, stride_doe, stride_dkt, stride_dkd, stride_dvt, stride_dve,
                                         stride_sd, stride_se,
                                         BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                                        NORMALIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+                                        NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
+                                        INTERPRETED: tl.constexpr):
     """Rewrites dk and dv for tokens [0, T), last first, from R = G (and dz = G's z column), one
     token at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t,
-    dk_t plus dz), in float32; causal by construction, as ``_outputs_token_by_token``."""
+    dk_t plus dz), in float32, dk_t then through FEATURE_MAP's derivative at k_t; causal by
+    construction, as ``_outputs_token_by_token``."""
     b_r, b_dz = _start_state(state_ptr, has_state, D, E, 0, stride_sd, stride_se, BLOCK_D, BLOCK_E, NORMALIZE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
@@ -361,6 +393,7 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
             b_dz += b_grad_denominator * b_q
             b_dk += b_dz
         b_dv = tl.sum(b_r * b_k[:, None], 0)
+        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
         tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask_d)
         tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve, _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED),
@@ -552,6 +585,8 @@ def chunked_backward_kernel(
     COMPENSATED: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
+    FEATURE_MAP: tl.constexpr,      # "identity", or the map that made q and k (features): dq and dk
+                                    # are taken through its derivative before they are stored
 ):
     """The whole backward of one (batch, head) in its row of programs: with compute_dq, program 0
     walks forward for dQ and program 1 backwards for dK, dV and dS_0; without, program 0 walks
@@ -664,6 +699,9 @@ def chunked_backward_kernel(
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
+            if FEATURE_MAP != "identity":  # the walk reads q only here, for phi'(q)
+                b_dq = _through_features(b_dq, tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                                                       mask=mask_td, other=0.0), FEATURE_MAP)
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
@@ -674,11 +712,12 @@ def chunked_backward_kernel(
                 do_arg + batch * stride_dob + h_dq * stride_doh + first * stride_dot,
                 v_arg + batch * stride_vb + h_dq * stride_vh + first * stride_vt,
                 k_arg + batch * stride_kb + h_dq * stride_kh + first * stride_kt,
+                q_arg + batch * stride_qb + h_dq * stride_qh + first * stride_qt,
                 dq_arg + batch * stride_dqb + h_dq * stride_dqh + first * stride_dqt,
                 grad_denominator_arg + row * T_dq, denominator_arg + row * T_dq,
                 initial_state_arg + (row // H) * stride_s0b + h_dq * stride_s0h, has_initial_state,
-                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_dqt, stride_dqd,
-                stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+                T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
+                stride_dqt, stride_dqd, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
     if tl.program_id(1) == tl.num_programs(1) - 1:  # the reverse walk: dK, dV and dS_0
         b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
@@ -738,6 +777,7 @@ def chunked_backward_kernel(
                 b_dk += b_dz[None, :]
                 b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
             b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
+            b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
             b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
 
             tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
@@ -765,7 +805,7 @@ def chunked_backward_kernel(
                 g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
                 stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
                 stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
-                BLOCK_D, BLOCK_E, NORMALIZE, INTERPRETED)
+                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -1036,10 +1076,11 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False):
 NORMALIZER_TERMS_TOKENS, NORMALIZER_TERMS_COLUMNS = 64, 32
 
 
-def _normalizer_terms(plain, x, grad_denominator, carry, *, reverse, out):
+def _normalizer_terms(plain, x, phi, grad_denominator, carry, *, reverse, out, feature_map="identity"):
     """``normalizer_terms_kernel`` into ``out``: dQ from the plain pass's float32 dQ and the keys
     x (``carry``: z_0 or None), or with ``reverse`` dK from dK's and the queries (``carry``: G_z
-    or None). Returns dz_0 (B, H, D) float32 when ``reverse``."""
+    or None), then through ``feature_map``'s derivative at ``phi`` (q's features for dQ, k's for
+    dK). Returns dz_0 (B, H, D) float32 when ``reverse``."""
     B, H, T, D = x.shape
     total = torch.empty((B, H, D), dtype=torch.float32, device=x.device) if reverse else None
     carry_arg = grad_denominator if carry is None else carry  # a stand-in the kernel never reads
@@ -1047,19 +1088,21 @@ def _normalizer_terms(plain, x, grad_denominator, carry, *, reverse, out):
     block_d = min(NORMALIZER_TERMS_COLUMNS, triton.next_power_of_2(D))
     with _launch_guard():
         normalizer_terms_kernel[(B * H, triton.cdiv(D, block_d))](
-            plain, x, grad_denominator, carry_arg, out, grad_denominator if total is None else total,
-            T, H, D, int(carry is not None), *plain.stride(), *x.stride(), *out.stride(), *carry_strides,
-            REVERSE=int(reverse), BLOCK_T=NORMALIZER_TERMS_TOKENS, BLOCK_D=block_d)
+            plain, x, phi, grad_denominator, carry_arg, out, grad_denominator if total is None else total,
+            T, H, D, int(carry is not None), *plain.stride(), *x.stride(), *phi.stride(), *out.stride(),
+            *carry_strides, REVERSE=int(reverse), BLOCK_T=NORMALIZER_TERMS_TOKENS, BLOCK_D=block_d,
+            FEATURE_MAP=feature_map)
     return total
 
 
 def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_keywords, *, compute_dq,
-                     cu_seqlens=None, o=None, denominator=None):
+                     cu_seqlens=None, o=None, denominator=None, feature_map="identity"):
     """dQ (when compute_dq), dK, dV and dS_0 in one launch (``chunked_backward_kernel``).
     initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros
     (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence). With the forward's ``o``
     and ``denominator``, the normalised backward (NORMALIZE): the three states then have E + 1
-    columns, z last. launch_keywords: ``_backward_plan``'s."""
+    columns, z last. With a ``feature_map``, q and k are its features and dQ, dK the gradients
+    of the inputs it mapped. launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -1085,7 +1128,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
-            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, **launch_keywords,
+            IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, FEATURE_MAP=feature_map, **launch_keywords,
         )
     return dq, dk, dv, ds0
 
@@ -1140,7 +1183,7 @@ def _launch_normalized(q, k, v, initial_state, eps, config):
 
 
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
-                                   needs_input_grad):
+                                   needs_input_grad, feature_map="identity"):
     """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
     plain backward's passes on g = dO / (d + eps), then the denominator's terms (its gradient
     r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
@@ -1148,7 +1191,8 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
     (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
     that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
     ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding; dz_0 comes from
-    dK's terms, which run whenever dS_0 is needed."""
+    dK's terms, which run whenever dS_0 is needed. With a ``feature_map``, q and k are its
+    features and the terms' walks take dq and dk through its derivative."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
     grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
@@ -1159,13 +1203,14 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
         s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
         plain_q, _ = _launch(g, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
         grad_q = torch.empty_like(q)
-        _normalizer_terms(plain_q, k, grad_denominator, None if initial_state is None else initial_state[..., E],
-                          reverse=False, out=grad_q)
+        _normalizer_terms(plain_q, k, q, grad_denominator, None if initial_state is None else initial_state[..., E],
+                          reverse=False, out=grad_q, feature_map=feature_map)
     if needs_k or needs_initial_state:
         g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
         plain_k, _ = _launch(v_w, g, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
         grad_k = torch.empty_like(k)
-        dz0 = _normalizer_terms(plain_k, q, grad_denominator, grad_z, reverse=True, out=grad_k)
+        dz0 = _normalizer_terms(plain_k, q, k, grad_denominator, grad_z, reverse=True, out=grad_k,
+                                feature_map=feature_map)
     if needs_v or needs_initial_state:
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
         grad_v, grad_s0 = _launch(k_w, q_w, g, g_s, reverse=True, config=config)
@@ -1176,14 +1221,18 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
 
 
 class _ChunkedNormalizedAttention(torch.autograd.Function):
-    """Forward: one pass. Backward: one fused launch, or the plain passes on g and the terms' walks."""
+    """Forward: one pass. Backward: one fused launch, or the plain passes on g and the terms' walks.
+    With a ``feature_map``, q and k are the raw inputs and ``features`` their features (made
+    beforehand, outside autograd): the kernels run on the features and return the raw inputs'
+    gradients, taken through the map's derivative as they are stored."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, eps, config):
+    def forward(ctx, q, k, v, initial_state, eps, config, feature_map="identity", features=None):
         ctx.set_materialize_grads(False)
-        o, final_state, denominator = _launch_normalized(q, k, v, initial_state, eps, config)
-        ctx.save_for_backward(q, k, v, initial_state, o, denominator)
-        ctx.config = config
+        phi_q, phi_k = (q, k) if features is None else features
+        o, final_state, denominator = _launch_normalized(phi_q, phi_k, v, initial_state, eps, config)
+        ctx.save_for_backward(phi_q, phi_k, v, initial_state, o, denominator)
+        ctx.config, ctx.feature_map = config, feature_map
         return o, final_state
 
     @staticmethod
@@ -1196,16 +1245,17 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
         fused = _backward_plan(q.shape[2], q.shape[3], v.shape[3], q.dtype, _device_limits(q.device)[1],
                                triton.knobs.runtime.interpret,
                                () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True)
+        feature_map = ctx.feature_map
         if fused is not None:
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q, o=o,
-                denominator=denominator)
+                denominator=denominator, feature_map=feature_map)
         else:
             grad_q, grad_k, grad_v, grad_initial_state = _normalized_backward_in_passes(
                 q, k, v, initial_state, o, denominator, grad_o, grad_final_state, ctx.config,
-                ctx.needs_input_grad[:4])
+                ctx.needs_input_grad[:4], feature_map)
         return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
-                grad_initial_state if needs_initial_state else None, None, None)
+                grad_initial_state if needs_initial_state else None, None, None, None, None)
 
 
 # Input checks. The package's API makes the same ones with the same messages; they are repeated
@@ -1398,14 +1448,21 @@ def chunked_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, confi
     return _run_normalized_validated(q, k, v, initial_state, eps, config)
 
 
-def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None):
-    """``chunked_normalized_attention`` for inputs, eps included, already checked."""
+def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None, features=None):
+    """``chunked_normalized_attention`` for inputs, eps included, already checked. ``features``:
+    None (q and k are the features), or (feature_map, phi_q, phi_k): q and k are raw inputs that
+    "elu" or "relu" mapped to phi_q and phi_k beforehand, and the gradients are q's and k's
+    (the map's derivative taken as the backward stores dq and dk, in no pass of its own)."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
+    feature_map, mapped = "identity", None
+    if features is not None:
+        feature_map, mapped = features[0], tuple(x.resolve_neg() for x in features[1:])
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ChunkedNormalizedAttention.apply(q, k, v, initial_state, eps, config)
-    o, final_state, _ = _launch_normalized(q, k, v, initial_state, eps, config)
+        return _ChunkedNormalizedAttention.apply(q, k, v, initial_state, eps, config, feature_map, mapped)
+    phi_q, phi_k = (q, k) if mapped is None else mapped
+    o, final_state, _ = _launch_normalized(phi_q, phi_k, v, initial_state, eps, config)
     return o, final_state
 
 
