@@ -63,17 +63,21 @@ AUTO = "auto"
 
 #: Below this many (batch, head, value block) programs per multiprocessor, "chunked"
 #: leaves the GPU idle and "scan" (parallel over segments of the sequence too) wins. Not 1: scan
-#: reads k and v twice and pays for its states, so it needs the idle share to be large. The
-#: forward times of both are linear in the programs' share of the GPU; the break-even measured
-#: on an H200 (132 SMs, bf16, see benchmarks/NOTES.md) is near 50 programs: 0.4 a multiprocessor.
-_SCAN_BELOW_PROGRAMS_PER_SM = 0.4
+#: reads k and v twice and pays for its states, so it needs the idle share to be large. Measured
+#: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
+#: programs or 0.48 a multiprocessor, both take the same forward time and scan's
+#: forward+backward is 1.12x faster (bfloat16; under TF32 scan is faster both ways).
+_SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
-#: float32 at full precision (3xTF32 products): the widest head for which "chunked" beats
-#: "recurrent". Measured on an H200 (benchmarks/NOTES.md, the recorded data): chunked faster at
-#: D = 64, recurrent at D = 128; under TF32 alone ("high") chunked wins at D = 64 too, and D = 128
-#: was not measured.
-_TF32X3_WIDEST_CHUNKED_HEAD = 64
+#: float32 at full precision (3xTF32 products): the widest head for which the tensor-core
+#: kernels beat "recurrent". Measured on an H200: at D = 64 scan's 4-warp tiles are the fastest
+#: forward+backward and within 3 % of chunked forward; at D = 128 their tiles spill and
+#: recurrent, whose per-token products need no tensor cores, is faster at every shape.
+_TF32X3_WIDEST_TENSOR_CORE_HEAD = 64
+#: ... and the shortest sequence at which scan's float32 lead was measured (T = 4096); below it
+#: calls are short, bound by the host, and chunked's single launch each way costs less.
+_TF32X3_SCAN_FROM_LENGTH = 4096
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
@@ -85,7 +89,7 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype) -> int:
 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
-    or "recurrent" for float32 heads over 64 wide at full precision.
+    and for float32 at full precision "recurrent" past D = 64, "scan" up to it.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
@@ -93,7 +97,9 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     sequence over segments. float32 under ``torch.get_float32_matmul_precision() == "highest"``
     runs chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64
     their tiles spill and "recurrent", whose per-token products need no tensor cores, is faster
-    (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200). Under the
+    (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64
+    scan's float32 tiles (4 warps) take 1.12x less forward+backward time than chunked's at
+    (8, 16, 4096, 64) and 2.6 % more forward, so from T = 4096 on it takes scan. Under the
     interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
     the offsets: both kernels give each sequence its own programs (chunked) or segments (scan),
@@ -117,11 +123,14 @@ def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiproce
     """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one;
     ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``).
     tests/test_auto.py checks it against the recorded benchmark."""
+    if dtype == torch.float32 and float32_precision == "tf32x3":
+        if D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
+            return "recurrent"
+        if T >= _TF32X3_SCAN_FROM_LENGTH:
+            return "scan"
     programs = B * H * -(-E // _chunked_value_block(D, E, dtype))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
-    if dtype == torch.float32 and float32_precision == "tf32x3" and D > _TF32X3_WIDEST_CHUNKED_HEAD:
-        return "recurrent"
     return "chunked"
 
 
