@@ -13,6 +13,8 @@ of five loops of 200 calls, synchronised once at the end of each):
   fb autograd.grad                   torch.autograd.grad(o, leaves, g)
   _launch_backward alone             the kernel file's backward launch on this thread, no autograd
   floor Function ...                 a torch.autograd.Function that only allocates its outputs
+  floor + ...                        the same, its backward launching one empty Triton kernel or
+                                     one PyTorch kernel
   ..., autograd single thread        inside torch.autograd.set_multithreading_enabled(False): the
                                      engine runs the backward on the calling thread instead of
                                      handing it to the device's worker thread
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
@@ -59,6 +63,29 @@ class Floor(torch.autograd.Function):
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
 
 
+@triton.jit
+def empty_kernel(x_ptr):
+    pass
+
+
+class FloorLaunching(torch.autograd.Function):
+    """Floor, whose backward also launches one empty Triton kernel, or one PyTorch kernel: what
+    a launch costs on the thread that runs the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, triton_launch):
+        ctx.triton_launch = triton_launch
+        return torch.empty_like(v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.triton_launch:
+            empty_kernel[(1,)](grad)
+        else:
+            grad.new_zeros(1)
+        return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad), None
+
+
 def single_thread(fn):
     def call():
         with torch.autograd.set_multithreading_enabled(False):
@@ -89,8 +116,11 @@ def rows(T):
         "floor Function fb accumulate": lambda: Floor.apply(*leaves).backward(grad),
         "floor Function fb grads None": lambda: (clear_grads(), Floor.apply(*leaves).backward(grad)),
     }
+    table["floor + empty Triton launch fb"] = lambda: FloorLaunching.apply(*leaves, True).backward(grad)
+    table["floor + one PyTorch kernel fb"] = lambda: FloorLaunching.apply(*leaves, False).backward(grad)
     table["fb accumulate, autograd single thread"] = single_thread(table["fb accumulate"])
     table["floor fb, autograd single thread"] = single_thread(table["floor Function fb accumulate"])
+    table["floor + empty Triton launch, single thread"] = single_thread(table["floor + empty Triton launch fb"])
     if T == 4096:  # fla autotunes at each new shape: one shape keeps the run short
         try:
             from fla.ops.linear_attn import fused_chunk_linear_attn
