@@ -31,6 +31,10 @@ Each row reports:
 
 A point a contender cannot take (a dtype it refuses, a reference that would not fit in
 memory) is skipped and says why in ``note``; a failure is reported there too, and the run goes on.
+fla's kernels autotune on their first call at each new point: 20 to 50 s a row on an H200.
+Triton keeps the configurations they pick in its cache (``TRITON_CACHE_DIR``; fla's
+``FLA_CACHE_RESULTS``, on by default), so a second run on the same machine, or on one given
+that cache's ``*.autotune.json`` files, times the same rows in about a second each.
 The grid is a list of ``triton.testing.Benchmark`` (x: T, lines: contenders) walked here
 rather than by ``Mark.run``, which needs pandas and keeps one number per point.
 
