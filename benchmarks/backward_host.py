@@ -22,33 +22,23 @@ of five loops of 200 calls, synchronised once at the end of each):
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
+from ttx_tutorial import bench  # noqa: E402
 from ttx_tutorial.kernels import chunked  # noqa: E402
 from ttx_tutorial.testing import random_inputs  # noqa: E402
 
 
 def host_us(fn, calls=200, loops=5):
-    """Least over ``loops`` loops of the host's microseconds per call of ``calls`` calls."""
+    """Least over ``loops`` loops of the host's microseconds per call (``bench.host_us``)."""
     for _ in range(10):
         fn()
-    best = float("inf")
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        best = min(best, elapsed / calls * 1e6)
-    return best
+    return min(bench.host_us(fn, calls) for _ in range(loops))
 
 
 class Floor(torch.autograd.Function):
