@@ -74,11 +74,11 @@ CANDIDATES = {
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_E": 32, "CHUNK": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 3},  # deeper pipelines: the
+        {"BLOCK_E": 64, "CHUNK": 64, "num_warps": 4, "num_stages": 4},  # bfloat16 rule's 4 stages
+        {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 4, "num_stages": 4},  # fit in 227 KB on sm_90
         {"BLOCK_E": 32, "CHUNK": 32, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_E": 64, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
         {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_E": 128, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
     ],
     128: [
         {"BLOCK_E": 64, "CHUNK": 32, "num_warps": 8, "num_stages": 2},
