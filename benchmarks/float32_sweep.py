@@ -97,6 +97,8 @@ SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}]
 #: bfloat16 parts (two parts, three products; three parts, six products).
 HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
 DEFAULT_PRODUCTS = FLOAT32_PRECISIONS["highest"]
+#: A chunked config's keys (``--candidates``).
+CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
 #: Short names of config keys in printed rows.
 LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}
 #: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
@@ -107,7 +109,10 @@ CPU_SCAN_CANDIDATES = [{"num_warps": 4}]
 CHECKED_HEADS = 2
 
 
-def candidates_for(D):
+def candidates_for(D, chosen=None):
+    """``chosen`` (from ``--candidates``) if given, else the candidates for D's head size."""
+    if chosen is not None:
+        return chosen
     if ttx_tutorial.INTERPRETED:
         return CPU_CANDIDATES
     return CANDIDATES[64 if D <= 64 else 128]
@@ -209,7 +214,7 @@ def peers():
     return found, missing
 
 
-def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,)):
+def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,), chosen=None):
     """(shape index, setting, products, implementation, config, function, time_major), most
     useful first; "highest" once per kind of ``products``, the other settings with TF32."""
     first, peer_jobs, second = [], [], []
@@ -221,7 +226,7 @@ def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,)):
                 for method in ("chunked", "scan", "recurrent"):
                     first.append((index, setting, kind, method, "rule",
                                   (lambda m: lambda q, k, v: ttx_tutorial.causal_product(q, k, v, m))(method), False))
-                for config in candidates_for(D):
+                for config in candidates_for(D, chosen):
                     second.append((index, setting, kind, "chunked", config,
                                    (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(
                                        config), False))
@@ -247,12 +252,13 @@ def float32_products(setting, kind):
         torch.set_float32_matmul_precision("highest")
 
 
-def run(shapes, settings, max_seconds, with_peers=True, products=(DEFAULT_PRODUCTS,)):
+def run(shapes, settings, max_seconds, with_peers=True, products=(DEFAULT_PRODUCTS,), chosen=None):
     start = time.perf_counter()
     peer_functions, missing = peers() if with_peers else ({}, {"peers": "--no-peers"})
     points = {}
     rows = []
-    for index, setting, kind, impl, config, function, time_major in jobs(shapes, settings, peer_functions, products):
+    work = jobs(shapes, settings, peer_functions, products, chosen)
+    for index, setting, kind, impl, config, function, time_major in work:
         for mode in MODES:
             row = {"shape": list(shapes[index]), "impl": impl, "setting": setting, "products": kind,
                    "config": config, "mode": mode, "ms": None, "rel_err": None, "note": None}
@@ -326,7 +332,20 @@ def main(argv=None):
     parser.add_argument("--products", default=DEFAULT_PRODUCTS,
                         help="input_precision kinds of float32 products to time under 'highest', comma-separated "
                              f"(from {', '.join(HIGHEST_PRODUCTS)})")
+    parser.add_argument("--candidates", default=None,
+                        help="chunked configs to time instead of CANDIDATES, a JSON list of dicts with the keys "
+                             f"{', '.join(LABELS[k] for k in CONFIG_KEYS)} spelled out, e.g. "
+                             "'[{\"BLOCK_E\": 64, \"CHUNK\": 32, \"num_warps\": 8, \"num_stages\": 3}]'")
     args = parser.parse_args(argv)
+    chosen = None
+    if args.candidates is not None:
+        try:
+            chosen = json.loads(args.candidates)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--candidates: not JSON ({exc})")
+        if (not isinstance(chosen, list) or not chosen
+                or any(not isinstance(c, dict) or set(c) != set(CONFIG_KEYS) for c in chosen)):
+            parser.error(f"--candidates: a non-empty list of dicts with exactly the keys {', '.join(CONFIG_KEYS)}")
     products = tuple(p for p in args.products.split(",") if p)
     if not products or set(products) - set(HIGHEST_PRODUCTS):
         parser.error(f"--products: choose from {', '.join(HIGHEST_PRODUCTS)}, got {args.products!r}")
@@ -342,7 +361,8 @@ def main(argv=None):
         parser.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(ERROR_BOUNDS)}")
     env = environment(" ".join(["python", *sys.argv]) if argv is None else " ".join(["float32_sweep", *argv]))
     print(json.dumps(env))
-    rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers, products=products)
+    rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers, products=products,
+                                 chosen=chosen)
     for name, why in missing.items():
         print(f"{name}: not timed ({why})")
     print(summary(rows))

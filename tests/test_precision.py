@@ -299,3 +299,23 @@ def test_float32_sweep_runs_on_a_tiny_shape(tmp_path):
     assert any(isinstance(row["config"], dict) for row in ours), "no candidate config was timed"
     for row in ours:
         assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
+
+
+def test_float32_sweep_times_the_candidates_it_is_given(tmp_path):
+    """``--candidates`` replaces the built-in chunked configs: exactly the given one is timed,
+    within float32's tolerance; a list with a missing key is refused by name."""
+    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    given = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 2, "num_stages": 1}
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--shapes", "1,1,17,16", "--settings", "highest", "--candidates", json.dumps([given]),
+                       "--out", str(out)]) == 0
+    configs = [row["config"] for row in json.loads(out.read_text())["rows"]
+               if row["impl"] == "chunked" and isinstance(row["config"], dict)]
+    assert configs == [given, given], configs  # forward and forward+backward
+    for row in json.loads(out.read_text())["rows"]:
+        if row["config"] == given:
+            assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
+    with pytest.raises(SystemExit):
+        sweep.main(["--shapes", "1,1,17,16", "--candidates", '[{"BLOCK_E": 16}]'])
