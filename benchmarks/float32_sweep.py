@@ -91,8 +91,10 @@ CANDIDATES = {
         {"BLOCK_E": 32, "CHUNK": 16, "num_warps": 8, "num_stages": 2},
     ],
 }
-#: scan's candidates (keys over its rule's): the warps its float32 rule chooses between.
-SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}]
+#: scan's candidates (keys over its rule's): the warps its float32 rule chooses between, and
+#: deeper load pipelines on 4 warps.
+SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_stages": 3},
+                   {"num_warps": 4, "num_stages": 4}]
 #: float32 products "highest" may use: 3xTF32 (the kernels' default) and Triton's splits into
 #: bfloat16 parts (two parts, three products; three parts, six products).
 HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")

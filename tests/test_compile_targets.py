@@ -87,8 +87,16 @@ def wrapper_calls(module):
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
-            normalized=False, feature_map=None, features=None):
+            normalized=False, feature_map=None, features=None, matmul_precision="highest"):
         def thunk():
+            before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(matmul_precision)  # float32's products and rule
+            try:
+                run()
+            finally:
+                torch.set_float32_matmul_precision(before)
+
+        def run():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
             q = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
             k = torch.empty(B, H, T, D, dtype=dtype, requires_grad=True)
@@ -109,6 +117,8 @@ def wrapper_calls(module):
         call = {"shape": [B, H, T, D, E], "dtype": str(dtype).removeprefix("torch."), "config": config,
                 "initial_state": with_state, "cu_seqlens": cu_seqlens, "normalized": normalized,
                 "feature_map": feature_map or features}
+        if matmul_precision != "highest":
+            call["float32_matmul_precision"] = matmul_precision
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -116,6 +126,9 @@ def wrapper_calls(module):
             for B, H, T in COVERAGE_SHAPES:
                 if B * H * T * max(D, E) <= 2_000_000:
                     add(B, H, T, D, E, dtype, with_state=(T != 100))
+    # float32 under TF32 ("high"): its own tiles (whole value heads up to 128 columns in chunked).
+    for D, E in COVERAGE_HEAD_DIMS:
+        add(2, 3, 777, D, E, torch.float32, matmul_precision="high")
     # Long 16-bit sequences, past the chunk count where chunked sums its states with a carry.
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):

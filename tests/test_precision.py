@@ -87,11 +87,25 @@ def test_chunked_float32_configs_are_tensor_core_tiles():
     D = 128, as the 16-bit configs, within the nominal shared memory; one rule serves 3xTF32
     and TF32."""
     for D, E in ((16, 16), (64, 64), (128, 128), (100, 200), (256, 256)):
-        config = chunked.default_config(D, E, torch.float32)
-        assert config["CHUNK"] >= 32 or D > 128, (D, E, config)
-        assert config["BLOCK_E"] >= 32, (D, E, config)
-        assert chunked._shared_memory_estimate(chunked._block(D), config, torch.float32) \
-            <= chunked._NOMINAL_LIMITS[1]
+        for precision in ("tf32x3", "tf32"):
+            config = chunked.default_config(D, E, torch.float32, precision=precision)
+            assert config["CHUNK"] >= 32 or D > 128, (D, E, config)
+            assert config["BLOCK_E"] >= 32, (D, E, config)
+            assert chunked._shared_memory_estimate(chunked._block(D), config, torch.float32) \
+                <= chunked._NOMINAL_LIMITS[1]
+
+
+def test_tf32_takes_whole_value_heads_past_d_64_and_3xtf32_does_not():
+    """TF32 tiles hold half of 3xTF32's registers: from D = 65 to 128 a program takes up to 128
+    value columns (q and k read once per head), on 8 warps once the state passes 64 registers a
+    thread; 3xTF32 keeps 64 columns there. Few heads still narrow the blocks to fill the GPU."""
+    assert chunked.default_config(128, 128, torch.float32, precision="tf32")["BLOCK_E"] == 128
+    assert chunked.default_config(128, 128, torch.float32, precision="tf32")["num_warps"] == 8
+    assert chunked.default_config(128, 64, torch.float32, precision="tf32")["num_warps"] == 4
+    assert chunked.default_config(128, 128, torch.float32, precision="tf32x3")["BLOCK_E"] == 64
+    assert chunked.default_config(64, 128, torch.float32, precision="tf32")["BLOCK_E"] == 64
+    assert chunked.default_config(128, 128, torch.float32, heads=32, multiprocessors=132,
+                                  precision="tf32")["BLOCK_E"] == 32
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -105,7 +119,7 @@ def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, dev
     multiprocessors, shared_memory = chunked._device_limits(q.device)
     rule = chunked.default_config(D, E, torch.float32, heads=B * H,
                                   multiprocessors=None if ttx_tutorial.INTERPRETED else multiprocessors,
-                                  shared_memory=shared_memory)
+                                  shared_memory=shared_memory, precision=EXPECTED_PRECISION[setting])
     assert {key: kwargs[key] for key in rule} == rule
     assert kwargs["FLOAT32_PRECISION"] == EXPECTED_PRECISION[setting]
 
@@ -125,8 +139,8 @@ def test_scan_launches_the_rule_of_the_setting(setting, matmul_precision, device
 
 
 # (B, H, T, D, E, with initial state): several 64- and 32-token chunks with a partial last one;
-# D and E across the 64 and 128 boundaries of the rules.
-SHAPES = [(1, 2, 150, 64, 64, True), (2, 1, 75, 100, 40, False)]
+# D and E across the 64 and 128 boundaries of the rules (the last: TF32's whole value heads).
+SHAPES = [(1, 2, 150, 64, 64, True), (2, 1, 75, 100, 40, False), (1, 1, 70, 120, 100, True)]
 
 
 @pytest.mark.parametrize("method", ["chunked", "scan"])

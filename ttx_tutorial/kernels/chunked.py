@@ -872,21 +872,25 @@ def float32_precision():
     return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
 
 
-def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1]):
+def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1],
+                   precision="tf32x3"):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
-    and the GPU's multiprocessors and shared memory (None: unknown), for float32 inputs under
-    either product precision ("tf32x3" or "tf32").
+    and the GPU's multiprocessors and shared memory (None: unknown); for float32 inputs,
+    ``precision`` is their products' ("tf32x3" or "tf32", ``float32_precision()``).
 
     Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
     BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.
     - float32: tensor-core tiles as for 16-bit inputs, each twice as large: 64-token chunks up to
-      D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 2 stages.
-      3xTF32 also holds each operand's TF32 part and remainder. Up to D = 64, 4 warps (a
-      thread holds twice the state of 8 warps; timed faster under both precisions,
-      ``benchmarks/float32_sweep.py``). The narrowing of value blocks on an idle GPU applies as
-      for 16-bit inputs.
-      Compiled for sm_90, 3xTF32 spills registers at these tiles, less or not at all at 16-token
-      chunks; ``benchmarks/float32_sweep.py`` times both kinds.
+      D = 64 and 32 beyond, 64 value columns up to D = 128 and 32 beyond, 3 stages of loads
+      (one program a multiprocessor hides its load latency only with its own pipeline). The
+      narrowing of value blocks on an idle GPU applies as for 16-bit inputs. Timed with
+      ``benchmarks/float32_sweep.py`` on an H200 (benchmarks/NOTES.md, 2026-12-04):
+      - TF32: from D = 65 to 128, whole value heads up to 128 columns (q and k read once per
+        head), and as for bfloat16 4 warps while the state takes at most 64 registers a thread
+        (else 8). At (8, 16, 4096, 128) 1.5x faster than 64 columns on 8 warps, 2 stages.
+      - 3xTF32 also holds each operand's TF32 part and remainder, and its tiles spill on sm_90
+        (less or not at all at 16-token chunks): 4 warps up to D = 64, 8 beyond, where only 2
+        stages were timed (``method="auto"`` runs "recurrent" there).
     - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
       up to E = 128), 32 at D > 128; halved down to 32 while the programs number fewer than half
       the multiprocessors, so that a head's programs share its q and k through L2.
@@ -899,14 +903,18 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
     """
     block_d = _block(D)
     block_e = min(max(64, _block(E)), 128) if block_d <= 128 else 32
-    if dtype != torch.float16:
+    wide_tf32 = dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128
+    if dtype != torch.float16 and not wide_tf32:
         block_e = min(block_e, 64)
     if heads is not None and multiprocessors is not None:
         while block_e > 32 and 2 * heads * triton.cdiv(E, block_e) < multiprocessors:
             block_e //= 2
-    if dtype == torch.float32:
+    if dtype == torch.float32 and precision == "tf32":
+        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32,
+                  "num_warps": 4 if block_d * block_e <= 8192 else 8, "num_stages": 3}
+    elif dtype == torch.float32:
         config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if block_d <= 64 else 8,
-                  "num_stages": 2}
+                  "num_stages": 3 if block_d <= 64 else 2}
     elif dtype == torch.bfloat16:
         config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4 if block_d * block_e <= 8192 else 8,
                   "num_stages": 4}
@@ -959,7 +967,7 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory),
+                                       shared_memory=shared_memory, precision=precision),
               **dict(overrides)}
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
