@@ -77,7 +77,8 @@ def test_auto_is_within_5_percent_of_the_fastest_kernel_at_every_recorded_point(
         if len(times) < 3:
             continue
         B, H, T, D, E = shape
-        choice = api._rule(B, H, T, D, E, _RECORDED_DTYPES[dtype], _H200_MULTIPROCESSORS, "tf32x3")
+        choice = api._rule(B, H, T, D, E, _RECORDED_DTYPES[dtype], _H200_MULTIPROCESSORS, "tf32x3",
+                           gradients=(mode == "fwd+bwd"))
         assert times[choice] <= 1.05 * min(times.values()), (name, shape, dtype, mode, choice, times)
         checked.add((shape, dtype, mode))
     # float32 at the four reference shapes, bfloat16 at three, forward and forward+backward.
@@ -87,35 +88,66 @@ def test_auto_is_within_5_percent_of_the_fastest_kernel_at_every_recorded_point(
 
 def test_auto_takes_recurrent_for_wide_float32_heads_only_at_full_precision():
     """float32 past D = 64: 3xTF32 makes chunked and scan slower than recurrent; up to it scan's
-    float32 tiles lead from T = 4096 on. TF32 alone ("high") leaves the choice to the programs'
-    count, as for 16-bit inputs."""
+    float32 tiles lead forward+backward from T = 4096 on. TF32 alone ("high") leaves the choice
+    to the programs' count, as for 16-bit inputs."""
     wide = (8, 16, 4096, 128, 128)
     assert api._rule(*wide, torch.float32, _H200_MULTIPROCESSORS, "tf32x3") == "recurrent"
     assert api._rule(*wide, torch.float32, _H200_MULTIPROCESSORS, "tf32") == "chunked"
     assert api._rule(*wide, torch.bfloat16, _H200_MULTIPROCESSORS, None) == "chunked"
-    assert api._rule(8, 16, 4096, 64, 64, torch.float32, _H200_MULTIPROCESSORS, "tf32x3") == "scan"
-    assert api._rule(8, 16, 1024, 64, 64, torch.float32, _H200_MULTIPROCESSORS, "tf32x3") == "chunked"
+    assert api._rule(8, 16, 4096, 64, 64, torch.float32, _H200_MULTIPROCESSORS, "tf32x3", gradients=True) == "scan"
+    assert api._rule(8, 16, 1024, 64, 64, torch.float32, _H200_MULTIPROCESSORS, "tf32x3",
+                     gradients=True) == "chunked"
 
 
 #: float32 under "high" (TF32 products), ms a call forward / forward+backward of the rules'
 #: configs on an H200 (2026-12-04, torch 2.11, Triton 3.6, ``python benchmarks/float32_sweep.py
-#: --settings high --no-peers --max-seconds 90``): not in the recorded data, which holds the
-#: default precision.
+#: --settings high,highest --no-peers --max-seconds 165 --candidates ...``, the rules' rows): not
+#: in the recorded data, which holds the default precision.
 _TF32_SWEEP = {
-    (8, 16, 4096, 64, 64): {"chunked": (0.299, 1.178), "scan": (0.353, 1.147), "recurrent": (0.996, 3.970)},
-    (8, 16, 4096, 128, 128): {"chunked": (1.236, 4.961), "scan": (1.601, 6.435), "recurrent": (3.432, 13.447)},
-    (1, 8, 65536, 64, 64): {"chunked": (3.249, 12.831), "scan": (0.415, 1.513), "recurrent": (2.238, 9.075)},
-    (2, 16, 16384, 128, 128): {"chunked": (2.558, 10.229), "scan": (2.216, 7.638), "recurrent": (4.971, 18.793)},
+    (8, 16, 4096, 64, 64): {"chunked": (0.265, 1.048), "scan": (0.354, 1.148), "recurrent": (0.999, 3.970)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.801, 3.194), "scan": (1.603, 6.447), "recurrent": (3.433, 13.442)},
+    (1, 8, 65536, 64, 64): {"chunked": (2.758, 10.935), "scan": (0.416, 1.278), "recurrent": (2.241, 9.103)},
+    (2, 16, 16384, 128, 128): {"chunked": (1.850, 7.505), "scan": (2.212, 7.647), "recurrent": (4.967, 18.804)},
 }
 
 
 @pytest.mark.parametrize("shape", list(_TF32_SWEEP))
 def test_auto_under_tf32_is_within_5_percent_of_the_fastest_kernel(shape):
     times = _TF32_SWEEP[shape]
-    choice = api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32")
     for mode in (0, 1):
+        choice = api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32", gradients=bool(mode))
         fastest = min(time[mode] for time in times.values())
         assert times[choice][mode] <= 1.05 * fastest, (shape, mode, choice, times)
+
+
+def test_auto_at_full_float32_precision_asks_whether_gradients_follow():
+    """Up to D = 64 from T = 4096 on, 3xTF32: chunked's forward is the faster, scan's
+    forward+backward; below T = 4096 chunked either way; 16-bit inputs do not ask."""
+    shape = (8, 16, 4096, 64, 64)
+    assert api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32x3", gradients=False) == "chunked"
+    assert api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32x3", gradients=True) == "scan"
+    short = (8, 16, 1024, 64, 64)
+    assert api._rule(*short, torch.float32, _H200_MULTIPROCESSORS, "tf32x3", gradients=True) == "chunked"
+    for gradients in (False, True):
+        assert api._rule(*shape, torch.bfloat16, _H200_MULTIPROCESSORS, None, gradients=gradients) == "chunked"
+
+
+@pytest.mark.gpu
+def test_auto_reads_from_autograd_whether_gradients_follow(matmul_highest):
+    q, k, v = random_inputs(8, 16, 4096, 64, device="cuda")
+    assert ttx_tutorial.choose_method(q, v) == "chunked"
+    assert ttx_tutorial.choose_method(q.requires_grad_(), v) == "scan"
+    with torch.no_grad():
+        assert ttx_tutorial.choose_method(q, v) == "chunked"
+    assert ttx_tutorial.choose_method(q, v, gradients=False) == "chunked"
+
+
+@pytest.fixture
+def matmul_highest():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
 
 
 @pytest.mark.gpu

@@ -66,41 +66,48 @@ AUTO = "auto"
 #: reads k and v twice and pays for its states, so it needs the idle share to be large. Measured
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
-#: forward+backward is 1.12x faster (bfloat16; under TF32 scan is faster both ways).
+#: forward+backward is 1.12x faster (bfloat16). Under TF32 the programs are counted after
+#: chunked narrows its value blocks: there 128 programs of 32 columns are 1.2x faster forward
+#: than scan, and 16 at (1, 8, 65536, 64) 6.6x slower.
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
 #: float32 at full precision (3xTF32 products): the widest head for which the tensor-core
-#: kernels beat "recurrent". Measured on an H200: at D = 64 scan's 4-warp tiles are the fastest
-#: forward+backward and within 3 % of chunked forward; at D = 128 their tiles spill and
-#: recurrent, whose per-token products need no tensor cores, is faster at every shape.
+#: kernels beat "recurrent". Measured on an H200: at D = 64 chunked's forward is the fastest and
+#: scan's 4-warp tiles the fastest forward+backward; at D = 128 their tiles spill and recurrent,
+#: whose per-token products need no tensor cores, is faster at every shape.
 _TF32X3_WIDEST_TENSOR_CORE_HEAD = 64
-#: ... and the shortest sequence at which scan's float32 lead was measured (T = 4096); below it
-#: calls are short, bound by the host, and chunked's single launch each way costs less.
+#: ... and the shortest sequence at which scan's float32 forward+backward lead was measured
+#: (T = 4096); below it calls are short, bound by the host, and chunked's single launch each way
+#: costs less.
 _TF32X3_SCAN_FROM_LENGTH = 4096
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
-def _chunked_value_block(D: int, E: int, dtype: torch.dtype) -> int:
+def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: str | None) -> int:
     """The value columns of one "chunked" program, by the kernel file's own rule (before it
     narrows blocks to fill an idle GPU, which is what this count decides about)."""
-    return chunked.default_config(D, E, dtype)["BLOCK_E"]
+    return chunked.default_config(D, E, dtype, precision=float32_precision or "tf32x3")["BLOCK_E"]
 
 
-def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> str:
+def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                  gradients: bool | None = None) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
-    and for float32 at full precision "recurrent" past D = 64, "scan" up to it.
+    and for float32 at full precision "recurrent" past D = 64.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
     (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
-    sequence over segments. float32 under ``torch.get_float32_matmul_precision() == "highest"``
-    runs chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64
-    their tiles spill and "recurrent", whose per-token products need no tensor cores, is faster
-    (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64
-    scan's float32 tiles (4 warps) take 1.12x less forward+backward time than chunked's at
-    (8, 16, 4096, 64) and 2.6 % more forward, so from T = 4096 on it takes scan. Under the
-    interpreter the choice is always "chunked".
+    sequence over segments. Under TF32 (float32 with ``torch.get_float32_matmul_precision()``
+    "high" or "medium") chunked's narrowed value blocks keep their speed, so the programs are
+    counted after that narrowing. float32 under "highest" runs chunked's and scan's products as
+    3xTF32 (three tensor-core products each); past D = 64 their tiles spill and "recurrent",
+    whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
+    forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from T = 4096 on, a
+    call that autograd will differentiate runs scan (its forward+backward 1.07x faster than
+    chunked's at (8, 16, 4096, 64)), a forward alone chunked (1.09x faster than scan's).
+    ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
+    and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
     the offsets: both kernels give each sequence its own programs (chunked) or segments (scan),
     and scan also builds its segment table, a few more small launches.
@@ -112,23 +119,31 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
         T //= B
+    if gradients is None:
+        gradients = torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)
     multiprocessors, _ = chunked._device_limits(q.device)
     precision = chunked.float32_precision() if q.dtype == torch.float32 else None
-    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision)
+    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients)
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
 def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int,
-          float32_precision: str | None = "tf32x3") -> str:
+          float32_precision: str | None = "tf32x3", gradients: bool = False) -> str:
     """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one;
-    ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``).
-    tests/test_auto.py checks it against the recorded benchmark."""
+    ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``),
+    ``gradients`` whether a backward follows. tests/test_auto.py checks it against the recorded
+    benchmark and the float32 sweep."""
     if dtype == torch.float32 and float32_precision == "tf32x3":
         if D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "recurrent"
-        if T >= _TF32X3_SCAN_FROM_LENGTH:
+        if gradients and T >= _TF32X3_SCAN_FROM_LENGTH:
             return "scan"
-    programs = B * H * -(-E // _chunked_value_block(D, E, dtype))
+    if dtype == torch.float32 and float32_precision == "tf32":
+        block_e = chunked.default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
+                                         precision="tf32")["BLOCK_E"]
+    else:
+        block_e = _chunked_value_block(D, E, dtype, float32_precision)
+    programs = B * H * -(-E // block_e)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"
@@ -180,7 +195,9 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT, cu_seqlens=cu_seqlens)
         # Under torch.compile the operator chooses at run time: the device query would break the graph.
-        info = method_info("chunked" if compiling else choose_method(q, v, cu_seqlens))
+        gradients = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, initial_state))
+        info = method_info("chunked" if compiling else choose_method(q, v, cu_seqlens, gradients=gradients))
     else:
         info = method_info(method)
         expected_device = _device.DEVICE.type if info.is_triton else None

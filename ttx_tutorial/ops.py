@@ -45,7 +45,9 @@ def _run(q, k, v, initial_state, method, cu_seqlens=None):
     from ._validation import _check_offsets_once
     from .api import AUTO, choose_method, method_info  # api imports this module
 
-    info = method_info(choose_method(q, v, cu_seqlens) if method == AUTO else method)
+    # An operator cannot tell whether a backward will follow: "auto" takes the forward's choice,
+    # here and in the backward operator alike.
+    info = method_info(choose_method(q, v, cu_seqlens, gradients=False) if method == AUTO else method)
     packed = {}
     if cu_seqlens is not None:
         _check_offsets_once(cu_seqlens, q.shape[2])
@@ -104,7 +106,8 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
     # "auto" chooses from the shapes and the device, so here as in the forward.
-    function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v, cu_seqlens) if method == AUTO else method)
+    function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v, cu_seqlens, gradients=False) if method == AUTO
+                                         else method)
     if function is not None:
         found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens), grad_o, grad_final_state)
     else:
@@ -193,7 +196,7 @@ def _run_normalized(q, k, v, initial_state, eps, method):
     column is the denominator."""
     from .api import AUTO, choose_method, method_info  # api imports this module
 
-    chosen = choose_method(q, v) if method == AUTO else method
+    chosen = choose_method(q, v, gradients=False) if method == AUTO else method
     if not method_info(chosen).is_triton:
         raise ValueError(f"method must be a Triton method or {AUTO!r} for the normalised operator, got {method!r}")
     if chosen == "chunked":
