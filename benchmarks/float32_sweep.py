@@ -120,7 +120,10 @@ def candidates_for(D, chosen=None):
     return CANDIDATES[64 if D <= 64 else 128]
 
 
-def scan_candidates():
+def scan_candidates(chosen=None):
+    """``chosen`` (from ``--scan-candidates``) if given, else the built-in ones."""
+    if chosen is not None:
+        return chosen
     return CPU_SCAN_CANDIDATES if ttx_tutorial.INTERPRETED else SCAN_CANDIDATES
 
 
@@ -216,7 +219,7 @@ def peers():
     return found, missing
 
 
-def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,), chosen=None):
+def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,), chosen=None, scan_chosen=None):
     """(shape index, setting, products, implementation, config, function, time_major), most
     useful first; "highest" once per kind of ``products``, the other settings with TF32."""
     first, peer_jobs, second = [], [], []
@@ -232,7 +235,7 @@ def jobs(shapes, settings, peer_functions, products=(DEFAULT_PRODUCTS,), chosen=
                     second.append((index, setting, kind, "chunked", config,
                                    (lambda c: lambda q, k, v: chunked.chunked_causal_product(q, k, v, config=c)[0])(
                                        config), False))
-                for config in scan_candidates():
+                for config in scan_candidates(scan_chosen):
                     second.append((index, setting, kind, "scan", config,
                                    (lambda c: lambda q, k, v: scan.scan_causal_product(q, k, v, config=c)[0])(config),
                                    False))
@@ -254,12 +257,13 @@ def float32_products(setting, kind):
         torch.set_float32_matmul_precision("highest")
 
 
-def run(shapes, settings, max_seconds, with_peers=True, products=(DEFAULT_PRODUCTS,), chosen=None):
+def run(shapes, settings, max_seconds, with_peers=True, products=(DEFAULT_PRODUCTS,), chosen=None,
+        scan_chosen=None):
     start = time.perf_counter()
     peer_functions, missing = peers() if with_peers else ({}, {"peers": "--no-peers"})
     points = {}
     rows = []
-    work = jobs(shapes, settings, peer_functions, products, chosen)
+    work = jobs(shapes, settings, peer_functions, products, chosen, scan_chosen)
     for index, setting, kind, impl, config, function, time_major in work:
         for mode in MODES:
             row = {"shape": list(shapes[index]), "impl": impl, "setting": setting, "products": kind,
@@ -323,6 +327,17 @@ def environment(command):
             "torch": torch.__version__, "triton": triton.__version__, "command": command}
 
 
+def _json_configs(parser, option, text):
+    """A non-empty list of dicts from ``text``, or the parser's error naming ``option``."""
+    try:
+        configs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{option}: not JSON ({exc})")
+    if not isinstance(configs, list) or not configs or any(not isinstance(c, dict) for c in configs):
+        parser.error(f"{option}: a non-empty JSON list of dicts, got {text!r}")
+    return configs
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=None, help="'B,H,T,D[,E];...' (default: the reference shapes)")
@@ -338,16 +353,19 @@ def main(argv=None):
                         help="chunked configs to time instead of CANDIDATES, a JSON list of dicts with the keys "
                              f"{', '.join(LABELS[k] for k in CONFIG_KEYS)} spelled out, e.g. "
                              "'[{\"BLOCK_E\": 64, \"CHUNK\": 32, \"num_warps\": 8, \"num_stages\": 3}]'")
+    parser.add_argument("--scan-candidates", default=None,
+                        help="scan configs to time instead of SCAN_CANDIDATES, a JSON list of dicts with keys "
+                             f"among {', '.join(scan.CONFIG_KEYS)} (the rule fills the others)")
     args = parser.parse_args(argv)
-    chosen = None
+    chosen = scan_chosen = None
     if args.candidates is not None:
-        try:
-            chosen = json.loads(args.candidates)
-        except json.JSONDecodeError as exc:
-            parser.error(f"--candidates: not JSON ({exc})")
-        if (not isinstance(chosen, list) or not chosen
-                or any(not isinstance(c, dict) or set(c) != set(CONFIG_KEYS) for c in chosen)):
-            parser.error(f"--candidates: a non-empty list of dicts with exactly the keys {', '.join(CONFIG_KEYS)}")
+        chosen = _json_configs(parser, "--candidates", args.candidates)
+        if any(set(c) != set(CONFIG_KEYS) for c in chosen):
+            parser.error(f"--candidates: each dict needs exactly the keys {', '.join(CONFIG_KEYS)}")
+    if args.scan_candidates is not None:
+        scan_chosen = _json_configs(parser, "--scan-candidates", args.scan_candidates)
+        if any(set(c) - set(scan.CONFIG_KEYS) for c in scan_chosen):
+            parser.error(f"--scan-candidates: keys must be among {', '.join(scan.CONFIG_KEYS)}")
     products = tuple(p for p in args.products.split(",") if p)
     if not products or set(products) - set(HIGHEST_PRODUCTS):
         parser.error(f"--products: choose from {', '.join(HIGHEST_PRODUCTS)}, got {args.products!r}")
@@ -364,7 +382,7 @@ def main(argv=None):
     env = environment(" ".join(["python", *sys.argv]) if argv is None else " ".join(["float32_sweep", *argv]))
     print(json.dumps(env))
     rows, missing, seconds = run(shapes, settings, args.max_seconds, with_peers=not args.no_peers, products=products,
-                                 chosen=chosen)
+                                 chosen=chosen, scan_chosen=scan_chosen)
     for name, why in missing.items():
         print(f"{name}: not timed ({why})")
     print(summary(rows))
