@@ -161,3 +161,28 @@ def test_auto_follows_pytorchs_float32_precision():
         assert ttx_tutorial.choose_method(q, v) == "chunked"
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.parametrize("needs", ["none", "q", "k", "v", "initial_state", "no_grad"])
+def test_causal_product_tells_auto_whether_a_backward_follows(needs, monkeypatch):
+    """``causal_product`` passes ``gradients`` to the rule: True when grad mode is on and any of
+    q, k, v or the initial state requires a gradient (k alone too, which choose_method's own
+    default, reading q and v, would miss)."""
+    seen = []
+
+    def spy(q, v, cu_seqlens=None, *, gradients=None):
+        seen.append(gradients)
+        return "chunked"
+
+    monkeypatch.setattr(api, "choose_method", spy)
+    q, k, v, s0 = random_inputs(1, 1, 5, 8, initial_state=True)
+    inputs = {"q": q, "k": k, "v": v, "initial_state": s0}
+    if needs in inputs:
+        inputs[needs].requires_grad_(True)
+    if needs == "no_grad":
+        q.requires_grad_(True)
+        with torch.no_grad():
+            ttx_tutorial.causal_product(q, k, v, initial_state=s0)
+    else:
+        ttx_tutorial.causal_product(q, k, v, initial_state=s0)
+    assert seen == [needs in inputs], (needs, seen)
