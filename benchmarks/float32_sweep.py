@@ -99,8 +99,6 @@ SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_sta
 #: bfloat16 parts (two parts, three products; three parts, six products).
 HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
 DEFAULT_PRODUCTS = FLOAT32_PRECISIONS["highest"]
-#: A chunked config's keys (``--candidates``).
-CONFIG_KEYS = ("BLOCK_E", "CHUNK", "num_warps", "num_stages")
 #: Short names of config keys in printed rows.
 LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}
 #: In CPU mode: tiny shapes, and the candidates the interpreter runs in seconds.
@@ -351,7 +349,7 @@ def main(argv=None):
                              f"(from {', '.join(HIGHEST_PRODUCTS)})")
     parser.add_argument("--candidates", default=None,
                         help="chunked configs to time instead of CANDIDATES, a JSON list of dicts with the keys "
-                             f"{', '.join(LABELS[k] for k in CONFIG_KEYS)} spelled out, e.g. "
+                             f"{', '.join(chunked.CONFIG_KEYS)}, e.g. "
                              "'[{\"BLOCK_E\": 64, \"CHUNK\": 32, \"num_warps\": 8, \"num_stages\": 3}]'")
     parser.add_argument("--scan-candidates", default=None,
                         help="scan configs to time instead of SCAN_CANDIDATES, a JSON list of dicts with keys "
@@ -360,8 +358,8 @@ def main(argv=None):
     chosen = scan_chosen = None
     if args.candidates is not None:
         chosen = _json_configs(parser, "--candidates", args.candidates)
-        if any(set(c) != set(CONFIG_KEYS) for c in chosen):
-            parser.error(f"--candidates: each dict needs exactly the keys {', '.join(CONFIG_KEYS)}")
+        if any(set(c) != set(chunked.CONFIG_KEYS) for c in chosen):
+            parser.error(f"--candidates: each dict needs exactly the keys {', '.join(chunked.CONFIG_KEYS)}")
     if args.scan_candidates is not None:
         scan_chosen = _json_configs(parser, "--scan-candidates", args.scan_candidates)
         if any(set(c) - set(scan.CONFIG_KEYS) for c in scan_chosen):

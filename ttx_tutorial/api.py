@@ -120,10 +120,15 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
         B = cu_seqlens.shape[0] - 1
         T //= B
     if gradients is None:
-        gradients = torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)
+        gradients = _gradients_follow(q, v)
     multiprocessors, _ = chunked._device_limits(q.device)
     precision = chunked.float32_precision() if q.dtype == torch.float32 else None
     return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients)
+
+
+def _gradients_follow(*tensors) -> bool:
+    """Whether autograd will ask for a backward through these tensors (None entries skipped)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
@@ -195,9 +200,8 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
                      max_head_dim=MAX_HEAD_DIM, expected_device=_device.DEVICE.type,
                      index_limit=KERNEL_INDEX_LIMIT, cu_seqlens=cu_seqlens)
         # Under torch.compile the operator chooses at run time: the device query would break the graph.
-        gradients = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, initial_state))
-        info = method_info("chunked" if compiling else choose_method(q, v, cu_seqlens, gradients=gradients))
+        info = method_info("chunked" if compiling else
+                           choose_method(q, v, cu_seqlens, gradients=_gradients_follow(q, k, v, initial_state)))
     else:
         info = method_info(method)
         expected_device = _device.DEVICE.type if info.is_triton else None
