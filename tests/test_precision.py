@@ -95,6 +95,16 @@ def test_chunked_float32_configs_are_tensor_core_tiles():
                 <= chunked._NOMINAL_LIMITS[1]
 
 
+def test_scan_under_tf32_takes_whole_value_heads_past_d_64():
+    """scan's TF32 tiles from D = 65 to 128: up to 128 value columns, 8 warps past 8192 state
+    entries, chunks of 32 whichever of D and E is the wider (the backward swaps them)."""
+    assert scan._default_blocks(128, 128, torch.float32, "tf32") == {
+        "CHUNK": 32, "BLOCK_E": 128, "num_warps": 8, "num_stages": 2}
+    assert scan._default_blocks(128, 64, torch.float32, "tf32")["num_warps"] == 4
+    assert scan._default_blocks(64, 128, torch.float32, "tf32")["CHUNK"] == 32
+    assert scan._default_blocks(128, 128, torch.float32, "tf32x3")["BLOCK_E"] == 32
+
+
 def test_tf32_takes_whole_value_heads_past_d_64_and_3xtf32_does_not():
     """TF32 tiles hold half of 3xTF32's registers: from D = 65 to 128 a program takes up to 128
     value columns (q and k read once per head), on 8 warps once the state passes 64 registers a
@@ -131,7 +141,7 @@ def test_scan_launches_the_rule_of_the_setting(setting, matmul_precision, device
     q, k, v = random_inputs(B, H, T, D, E, device=device, seed=5)
     with recorded_launches(scan) as launches:
         scan._run_validated(q, k, v, config={"SEGMENT_LEN": 128})
-    rule = scan._default_blocks(D, E, torch.float32)
+    rule = scan._default_blocks(D, E, torch.float32, EXPECTED_PRECISION[setting])
     assert [name for name, _ in launches] == ["scan_summaries_kernel", "scan_outputs_kernel"]
     for _, kwargs in launches:
         assert kwargs["CHUNK"] == rule["CHUNK"] and kwargs["BLOCK_E"] == rule["BLOCK_E"]

@@ -66,9 +66,8 @@ AUTO = "auto"
 #: reads k and v twice and pays for its states, so it needs the idle share to be large. Measured
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
-#: forward+backward is 1.12x faster (bfloat16). Under TF32 the programs are counted after
-#: chunked narrows its value blocks: there 128 programs of 32 columns are 1.2x faster forward
-#: than scan, and 16 at (1, 8, 65536, 64) 6.6x slower.
+#: forward+backward is 1.12x faster (bfloat16). Under TF32 both take whole value heads of up
+#: to 128 columns there: 32 programs, and scan 1.4x faster forward, 1.8x forward+backward.
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
@@ -98,9 +97,9 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences
     (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
-    sequence over segments. Under TF32 (float32 with ``torch.get_float32_matmul_precision()``
-    "high" or "medium") chunked's narrowed value blocks keep their speed, so the programs are
-    counted after that narrowing. float32 under "highest" runs chunked's and scan's products as
+    sequence over segments (programs counted with chunked's value blocks before it narrows them
+    for few heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or
+    "medium", those are whole heads up to 128 columns). float32 under "highest" runs chunked's and scan's products as
     3xTF32 (three tensor-core products each); past D = 64 their tiles spill and "recurrent",
     whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
     forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from T = 4096 on, a
@@ -143,12 +142,7 @@ def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiproce
             return "recurrent"
         if gradients and T >= _TF32X3_SCAN_FROM_LENGTH:
             return "scan"
-    if dtype == torch.float32 and float32_precision == "tf32":
-        block_e = chunked.default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
-                                         precision="tf32")["BLOCK_E"]
-    else:
-        block_e = _chunked_value_block(D, E, dtype, float32_precision)
-    programs = B * H * -(-E // block_e)
+    programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"

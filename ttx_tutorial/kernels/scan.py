@@ -1364,7 +1364,7 @@ _TF32X3_8_WARPS_MIN_BLOCK = 32
 _SPLIT_PRECISIONS = ("tf32x3", "bf16x3", "bf16x6")
 
 
-def _default_blocks(D, E, dtype):
+def _default_blocks(D, E, dtype, precision="tf32x3"):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
 
@@ -1377,10 +1377,18 @@ def _default_blocks(D, E, dtype):
         backward swaps them and must cut the forward's segments into the same chunks).
     float32: tensor-core tiles twice the size of float16's at the same counts (chunks of 64 up
         to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 4 warps: faster than 8 under
-        3xTF32 too on an H200 (``benchmarks/float32_sweep.py``).
+        3xTF32 too on an H200 (``benchmarks/float32_sweep.py``). Under TF32 alone (``precision``
+        "tf32") from D = 65 to 128: whole value heads up to 128 columns, on 8 warps once the
+        state passes 8192 entries (64 registers a thread), as chunked's TF32 rule; at
+        (2, 16, 16384, 128) on an H200 1.7x faster forward and 1.8x forward+backward than the
+        32-column tiles (benchmarks/NOTES.md, 2026-12-04).
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
+    if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
+        block_e = min(_block(E), 128)
+        return {"CHUNK": 32, "BLOCK_E": block_e, "num_warps": 8 if block_d * block_e > 8192 else 4,
+                "num_stages": 2}
     if dtype == torch.float32:
         chunk = 64 if max(block_d, _block(E)) <= 64 else 32
         state_entries, warps = 4096, 4
@@ -1423,7 +1431,8 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
-    resolved = {**_default_blocks(D, E, dtype), **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
+    resolved = {**_default_blocks(D, E, dtype, precision),
+                **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
