@@ -101,14 +101,15 @@ def test_auto_takes_recurrent_for_wide_float32_heads_only_at_full_precision():
 
 #: float32 under "high" (TF32 products), ms a call forward / forward+backward of the rules'
 #: configs on an H200 (2026-12-04, torch 2.11, Triton 3.6, ``python benchmarks/float32_sweep.py
-#: --settings high,highest --no-peers --max-seconds 165 --candidates ...``, the rules' rows; scan
-#: at D = 128 with its TF32 tiles, CHUNK 32, BLOCK_E 128, 8 warps, timed as ``--scan-candidates``
-#: the same day): not in the recorded data, which holds the default precision.
+#: --settings high,highest --no-peers --max-seconds 165 --candidates ...``, the rules' rows; at
+#: D = 128 every row from one later process of ``float32_sweep.py --shapes '2,16,16384,128;
+#: 8,16,4096,128' --settings high --no-peers --scan-candidates ...``, scan's with its TF32 tiles,
+#: CHUNK 16, BLOCK_E 128, 4 warps): not in the recorded data, which holds the default precision.
 _TF32_SWEEP = {
     (8, 16, 4096, 64, 64): {"chunked": (0.265, 1.048), "scan": (0.354, 1.148), "recurrent": (0.999, 3.970)},
-    (8, 16, 4096, 128, 128): {"chunked": (0.801, 3.194), "scan": (1.219, 4.186), "recurrent": (3.433, 13.442)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.797, 3.195), "scan": (1.123, 3.716), "recurrent": (3.431, 13.448)},
     (1, 8, 65536, 64, 64): {"chunked": (2.758, 10.935), "scan": (0.416, 1.278), "recurrent": (2.241, 9.103)},
-    (2, 16, 16384, 128, 128): {"chunked": (1.850, 7.505), "scan": (1.298, 4.261), "recurrent": (4.967, 18.804)},
+    (2, 16, 16384, 128, 128): {"chunked": (1.865, 7.542), "scan": (1.117, 3.689), "recurrent": (4.965, 18.794)},
 }
 
 

@@ -96,13 +96,25 @@ def test_chunked_float32_configs_are_tensor_core_tiles():
 
 
 def test_scan_under_tf32_takes_whole_value_heads_past_d_64():
-    """scan's TF32 tiles from D = 65 to 128: up to 128 value columns, 8 warps past 8192 state
-    entries, chunks of 32 whichever of D and E is the wider (the backward swaps them)."""
+    """scan's TF32 tiles from D = 65 to 128: up to 128 value columns; chunks of 16 on 4 warps
+    where E is as wide, else chunks of 32 (8 warps past 8192 state entries)."""
     assert scan._default_blocks(128, 128, torch.float32, "tf32") == {
-        "CHUNK": 32, "BLOCK_E": 128, "num_warps": 8, "num_stages": 2}
+        "CHUNK": 16, "BLOCK_E": 128, "num_warps": 4, "num_stages": 2}
     assert scan._default_blocks(128, 64, torch.float32, "tf32")["num_warps"] == 4
     assert scan._default_blocks(64, 128, torch.float32, "tf32")["CHUNK"] == 32
     assert scan._default_blocks(128, 128, torch.float32, "tf32x3")["BLOCK_E"] == 32
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scan_rule_cuts_the_same_chunks_for_d_by_e_and_e_by_d(dtype, precision):
+    """The backward runs scan's products with D and E swapped over the forward's segments, so
+    the rule must give (D, E) and (E, D) the same CHUNK."""
+    sizes = (1, 16, 33, 64, 65, 100, 128, 129, 200, 256)
+    mismatched = [(D, E) for D in sizes for E in sizes
+                  if scan._default_blocks(D, E, dtype, precision)["CHUNK"]
+                  != scan._default_blocks(E, D, dtype, precision)["CHUNK"]]
+    assert not mismatched, f"CHUNK differs between (D, E) and (E, D) at {mismatched}"
 
 
 def test_tf32_takes_whole_value_heads_past_d_64_and_3xtf32_does_not():

@@ -67,7 +67,7 @@ AUTO = "auto"
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
 #: forward+backward is 1.12x faster (bfloat16). Under TF32 both take whole value heads of up
-#: to 128 columns there: 32 programs, and scan 1.4x faster forward, 1.8x forward+backward.
+#: to 128 columns there: 32 programs, and scan 1.7x faster forward, 2.0x forward+backward.
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192

@@ -1378,15 +1378,19 @@ def _default_blocks(D, E, dtype, precision="tf32x3"):
     float32: tensor-core tiles twice the size of float16's at the same counts (chunks of 64 up
         to D, E = 64, else 32; BLOCK_D * BLOCK_E <= 4096), on 4 warps: faster than 8 under
         3xTF32 too on an H200 (``benchmarks/float32_sweep.py``). Under TF32 alone (``precision``
-        "tf32") from D = 65 to 128: whole value heads up to 128 columns, on 8 warps once the
-        state passes 8192 entries (64 registers a thread), as chunked's TF32 rule; at
-        (2, 16, 16384, 128) on an H200 1.7x faster forward and 1.8x forward+backward than the
-        32-column tiles (benchmarks/NOTES.md, 2026-12-04).
+        "tf32") from D = 65 to 128: whole value heads up to 128 columns. Where E is from 65 to
+        128 too, chunks of 16 on 4 warps (D and E alike, so the backward's chunks match);
+        elsewhere chunks of 32 (as the swapped backward's float32 tiles), on 8 warps once the
+        state passes 8192 entries. At (2, 16, 16384, 128) on an H200 the 16-token chunks took
+        1.117 / 3.689 ms forward / forward+backward, against 1.295 / 4.228 for chunks of 32 on
+        8 warps and 2.229 / 7.693 for the 32-column tiles (benchmarks/NOTES.md, 2026-12-04).
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
         block_e = min(_block(E), 128)
+        if 64 < _block(E) <= 128:
+            return {"CHUNK": 16, "BLOCK_E": block_e, "num_warps": 4, "num_stages": 2}
         return {"CHUNK": 32, "BLOCK_E": block_e, "num_warps": 8 if block_d * block_e > 8192 else 4,
                 "num_stages": 2}
     if dtype == torch.float32:
