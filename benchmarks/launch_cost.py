@@ -94,7 +94,7 @@ def replay_rows(q, k, v, state, *, configs):
                 rows[f"step, BLOCK_E {block_e}, {num_warps} warps"] = (
                     lambda grid=grid, block_e=block_e, num_warps=num_warps: step.step_kernel[grid](
                         *arguments, FEATURE_MAP="elu", NORMALIZE=True, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                        BLOCK_E=block_e, num_warps=num_warps))
+                        BLOCK_E=block_e, D_BLOCKS=1, num_warps=num_warps))
     results = {}
     for name, fn in rows.items():
         for repeats in (1, 20):
@@ -125,10 +125,11 @@ def main(argv=None):
     state = torch.zeros(B, H, D, E + 1, device=device, dtype=torch.float32)
     o = torch.empty(B, H, E, device=device, dtype=torch.bfloat16)
 
-    grid, block_d, block_e, num_warps = step._launch_plan(B, H, D, E, True)
+    grid, block_d, block_e, d_blocks, num_warps = step._launch_plan(B, H, D, E, True)
     arrivals = step._arrivals(state, B * H)
     arguments = [q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), 1e-6]
-    constants = {"FEATURE_MAP": "elu", "NORMALIZE": True, "BLOCK_D": block_d, "BLOCK_E": block_e}
+    constants = {"FEATURE_MAP": "elu", "NORMALIZE": True, "BLOCK_D": block_d, "BLOCK_E": block_e,
+                 "D_BLOCKS": d_blocks}
 
     def jit():
         return step.step_kernel[grid](*arguments, **constants, num_warps=num_warps)

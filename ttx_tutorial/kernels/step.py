@@ -13,7 +13,10 @@ contributions to o in float32. No ``tl.dot``: one query row would waste the tens
 shared by every value block: each program reads the old z and computes the denominator itself
 (D products), and the head's last program to finish, counted by an integer atomic, writes the
 new z, once every other one has read the old (nothing else orders programs within a launch);
-where one program covers all of E it writes z itself, without the count. The counters, one
+where one program covers all of E it writes z itself, without the count: the rule gives a head
+that fits one tile (D x E up to 64 x 64) a single program, on 8 warps, so the count serves only
+wider heads. The loop over blocks of D rows is unrolled (their count is a constexpr): every load
+of the step is issued before the first is waited for. The counters, one
 int32 per head, belong to the state: zeros at rest, reset by that last program, kept on the
 state tensor (pass the same tensor token after token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
@@ -61,6 +64,7 @@ def step_kernel(
     NORMALIZE: tl.constexpr,  # z is the state's last column
     BLOCK_D: tl.constexpr,  # state rows per iteration (power of two); at least D when NORMALIZE
     BLOCK_E: tl.constexpr,  # value columns per program (power of two)
+    D_BLOCKS: tl.constexpr,  # iterations, cdiv(D, BLOCK_D): unrolled, so every load is issued early
 ):
     """Adds phi(k) v^T (and phi(k) to z) to one head's state in place; writes o for its value block."""
     # One flat grid, value block fastest (as in the causal-product kernels).
@@ -82,8 +86,8 @@ def step_kernel(
     b_numerator = tl.full([BLOCK_E], 0.0, tl.float32)
     b_denominator = tl.full([BLOCK_D], 0.0, tl.float32)  # summed over D after the loop
     b_z = tl.full([BLOCK_D], 0.0, tl.float32)  # the new z; one iteration covers D when normalising
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
+    for d_block in tl.static_range(D_BLOCKS):
+        offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         offs_d64 = offs_d.to(tl.int64)
         b_q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d64 * stride_qd, mask=mask_d, other=0.0)
@@ -146,24 +150,32 @@ _NUM_WARPS = 4
 
 
 def default_config(D: int, E: int, normalize: bool) -> dict:
-    """Block sizes and warps. The state is the whole of the step's memory traffic, so it is spread
-    over many programs: 16 value columns a program when normalising (each program computes the
-    denominator itself, see the module docstring), at most 32 otherwise. BLOCK_D: the rows of D,
-    as a power of two of at least 16, at most a tile of 4096 elements (so at most 256: all of D
-    in one iteration when normalising, as the kernel requires)."""
+    """Block sizes and warps. The state is the whole of the step's memory traffic, and a step is
+    short enough that latency sets its time. When normalising, a head whose state fits one tile
+    (at most 4096 elements) gets one program: no count of arrivals (see the module docstring),
+    16 elements a thread (8 warps at D = E = 64). A CUDA-graph replay at (8, 16, 64, 64) bfloat16
+    on an H200 took 8.6 us this way (``benchmarks/launch_cost.py``; an empty kernel 3.9), against
+    9.3-9.8 with 16-column programs on 4 warps and their count. Wider heads take 16 value
+    columns a program, each computing the denominator itself; without normalize, at most 32.
+    BLOCK_D: the rows of D, as a power of two of at least 16, at most a tile of 4096 elements (so
+    at most 256: all of D in one iteration when normalising, as the kernel requires)."""
+    largest_d = max(16, triton.next_power_of_2(D))
     largest_e = max(16, triton.next_power_of_2(E))
+    if normalize and largest_d * largest_e <= _TILE_ELEMENTS:
+        warps = max(1, min(8, largest_d * largest_e // (16 * 32)))
+        return {"BLOCK_D": largest_d, "BLOCK_E": largest_e, "num_warps": warps}
     block_e = 16 if normalize else min(32, largest_e)
-    block_d = min(_TILE_ELEMENTS // block_e, max(16, triton.next_power_of_2(D)))
+    block_d = min(_TILE_ELEMENTS // block_e, largest_d)
     return {"BLOCK_D": block_d, "BLOCK_E": block_e, "num_warps": _NUM_WARPS}
 
 
 @functools.lru_cache(maxsize=256)
 def _launch_plan(B: int, H: int, D: int, E: int, normalize: bool) -> tuple:
-    """(grid, BLOCK_D, BLOCK_E, num_warps) for one shape: computed once, a tuple so that the
-    cached value cannot be modified."""
+    """(grid, BLOCK_D, BLOCK_E, D_BLOCKS, num_warps) for one shape: computed once, a tuple so
+    that the cached value cannot be modified."""
     cfg = default_config(D, E, normalize)
     grid = (B * H * triton.cdiv(E, cfg["BLOCK_E"]),)
-    return grid, cfg["BLOCK_D"], cfg["BLOCK_E"], cfg["num_warps"]
+    return grid, cfg["BLOCK_D"], cfg["BLOCK_E"], triton.cdiv(D, cfg["BLOCK_D"]), cfg["num_warps"]
 
 
 _ARRIVALS_ATTRIBUTE = "_step_arrival_counters"
@@ -188,7 +200,7 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
     """One launch: updates ``state`` in place and returns o (B, H, E) in the dtype of q."""
     B, H, D = q.shape
     E = v.shape[-1]
-    grid, block_d, block_e, num_warps = _launch_plan(B, H, D, E, normalize)
+    grid, block_d, block_e, d_blocks, num_warps = _launch_plan(B, H, D, E, normalize)
     o = torch.empty((B, H, E), dtype=q.dtype, device=q.device)
     if B * H == 0:
         return o
@@ -199,7 +211,7 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
         step_kernel[grid](
             q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d, BLOCK_E=block_e,
-            num_warps=num_warps,
+            D_BLOCKS=d_blocks, num_warps=num_warps,
         )
     return o
 
