@@ -100,16 +100,15 @@ def test_auto_takes_recurrent_for_wide_float32_heads_only_at_full_precision():
 
 
 #: float32 under "high" (TF32 products), ms a call forward / forward+backward of the rules'
-#: configs on an H200 (2026-12-04, torch 2.11, Triton 3.6, ``python benchmarks/float32_sweep.py
-#: --settings high,highest --no-peers --max-seconds 165 --candidates ...``, the rules' rows; at
-#: D = 128 every row from one later process of ``float32_sweep.py --shapes '2,16,16384,128;
-#: 8,16,4096,128' --settings high --no-peers --scan-candidates ...``, scan's with its TF32 tiles,
-#: CHUNK 16, BLOCK_E 128, 4 warps): not in the recorded data, which holds the default precision.
+#: configs on an H200 (2026-12-04, torch 2.11, Triton 3.6, one process of ``python
+#: benchmarks/float32_sweep.py --shapes '8,16,4096,128;1,8,65536,64;2,16,16384,128;8,16,4096,64'
+#: --settings high --max-seconds 200 --candidates ... --scan-candidates ...``, the rules' rows):
+#: not in the recorded data, which holds the default precision.
 _TF32_SWEEP = {
-    (8, 16, 4096, 64, 64): {"chunked": (0.265, 1.048), "scan": (0.354, 1.148), "recurrent": (0.999, 3.970)},
-    (8, 16, 4096, 128, 128): {"chunked": (0.797, 3.195), "scan": (1.123, 3.716), "recurrent": (3.431, 13.448)},
-    (1, 8, 65536, 64, 64): {"chunked": (2.758, 10.935), "scan": (0.416, 1.278), "recurrent": (2.241, 9.103)},
-    (2, 16, 16384, 128, 128): {"chunked": (1.865, 7.542), "scan": (1.117, 3.689), "recurrent": (4.965, 18.794)},
+    (8, 16, 4096, 64, 64): {"chunked": (0.268, 1.048), "scan": (0.356, 1.162), "recurrent": (0.998, 3.982)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.812, 3.251), "scan": (1.133, 3.756), "recurrent": (3.434, 13.443)},
+    (1, 8, 65536, 64, 64): {"chunked": (2.782, 11.050), "scan": (0.417, 1.282), "recurrent": (2.242, 9.075)},
+    (2, 16, 16384, 128, 128): {"chunked": (1.864, 7.526), "scan": (1.120, 3.703), "recurrent": (4.965, 18.780)},
 }
 
 
