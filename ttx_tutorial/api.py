@@ -66,8 +66,9 @@ AUTO = "auto"
 #: reads k and v twice and pays for its states, so it needs the idle share to be large. Measured
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
-#: forward+backward is 1.12x faster (bfloat16). Under TF32 both take whole value heads of up
-#: to 128 columns there: 32 programs, and scan 1.7x faster forward, 2.0x forward+backward.
+#: forward+backward is 1.12x faster (bfloat16). Under TF32 the count there is 32 programs of
+#: whole value heads, which chunked narrows to 128 programs of 32 columns; scan is 1.7x faster
+#: forward and 2.0x forward+backward than those.
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
@@ -95,16 +96,17 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     and for float32 at full precision "recurrent" past D = 64.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
-    sequence; it is the fastest when those programs fill the GPU. With few long sequences
-    (e.g. B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every
-    sequence over segments (programs counted with chunked's value blocks before it narrows them
-    for few heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or
-    "medium", those are whole heads up to 128 columns). float32 under "highest" runs chunked's and scan's products as
-    3xTF32 (three tensor-core products each); past D = 64 their tiles spill and "recurrent",
-    whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
-    forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from T = 4096 on, a
-    call that autograd will differentiate runs scan (its forward+backward 1.07x faster than
-    chunked's at (8, 16, 4096, 64)), a forward alone chunked (1.09x faster than scan's).
+    sequence; it is the fastest when those programs fill the GPU. With few long sequences (e.g.
+    B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every sequence
+    over segments (programs counted with chunked's value blocks before it narrows them for few
+    heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
+    from D = 65 to 128 those are whole heads up to 128 columns). float32 under "highest" runs
+    chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64 their
+    tiles spill and "recurrent", whose per-token products need no tensor cores, is faster (1.6x
+    forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from
+    T = 4096 on, a call that autograd will differentiate runs scan (its forward+backward 1.07x
+    faster than chunked's at (8, 16, 4096, 64)), a forward alone chunked (1.09x faster than
+    scan's).
     ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
     and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading

@@ -14,11 +14,11 @@ shared by every value block: each program reads the old z and computes the denom
 (D products), and the head's last program to finish, counted by an integer atomic, writes the
 new z, once every other one has read the old (nothing else orders programs within a launch);
 where one program covers all of E it writes z itself, without the count: the rule gives a head
-that fits one tile (D x E up to 64 x 64) a single program, on 8 warps, so the count serves only
-wider heads. The loop over blocks of D rows is unrolled (their count is a constexpr): every load
-of the step is issued before the first is waited for. The counters, one
-int32 per head, belong to the state: zeros at rest, reset by that last program, kept on the
-state tensor (pass the same tensor token after token: a new view would make new ones).
+that fits one tile (D x E, each padded to a power of two, at most 4096, e.g. 64 x 64) a single
+program, so the count serves only wider heads. The loop over blocks of D rows is unrolled
+(their count is a constexpr). The counters, one int32 per head, belong to the state: zeros at
+rest, reset by that last program, kept on the state tensor (pass the same tensor token after
+token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
 last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
 (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
@@ -64,7 +64,7 @@ def step_kernel(
     NORMALIZE: tl.constexpr,  # z is the state's last column
     BLOCK_D: tl.constexpr,  # state rows per iteration (power of two); at least D when NORMALIZE
     BLOCK_E: tl.constexpr,  # value columns per program (power of two)
-    D_BLOCKS: tl.constexpr,  # iterations, cdiv(D, BLOCK_D): unrolled, so every load is issued early
+    D_BLOCKS: tl.constexpr,  # iterations of the row loop, cdiv(D, BLOCK_D); the loop is unrolled
 ):
     """Adds phi(k) v^T (and phi(k) to z) to one head's state in place; writes o for its value block."""
     # One flat grid, value block fastest (as in the causal-product kernels).
