@@ -1388,9 +1388,9 @@ def _default_blocks(D, E, dtype, precision="tf32x3"):
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
-        block_e = min(_block(E), 128)
         if 64 < _block(E) <= 128:
-            return {"CHUNK": 16, "BLOCK_E": block_e, "num_warps": 4, "num_stages": 2}
+            return {"CHUNK": 16, "BLOCK_E": _block(E), "num_warps": 4, "num_stages": 2}
+        block_e = min(_block(E), 128)
         return {"CHUNK": 32, "BLOCK_E": block_e, "num_warps": 8 if block_d * block_e > 8192 else 4,
                 "num_stages": 2}
     if dtype == torch.float32:

@@ -16,9 +16,10 @@ new z, once every other one has read the old (nothing else orders programs withi
 where one program covers all of E it writes z itself, without the count: the rule gives a head
 that fits one tile (D x E, each padded to a power of two, at most 4096, e.g. 64 x 64) a single
 program, so the count serves only wider heads. The loop over blocks of D rows is unrolled
-(their count is a constexpr). The counters, one int32 per head, belong to the state: zeros at
-rest, reset by that last program, kept on the state tensor (pass the same tensor token after
-token: a new view would make new ones).
+(their count is a constexpr), so that the compiler does not software-pipeline what is mostly a
+single iteration (as a loop it was slower on an H200, benchmarks/NOTES.md). The counters, one
+int32 per head, belong to the state: zeros at rest, reset by that last program, kept on the
+state tensor (pass the same tensor token after token: a new view would make new ones).
 Shapes: q, k (B, H, D); v (B, H, E); any strides. state (B, H, D, E + 1) float32 with z as the
 last column when normalising, (B, H, D, E) otherwise, contiguous (it is written in place). o
 (B, H, E), new, in the dtype of q. 1 <= D, E <= 256; offsets are 64-bit. q, k, v: float32,
@@ -147,6 +148,8 @@ _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # State elements a program holds per iteration at most: 32 float32 registers a thread with 4 warps.
 _TILE_ELEMENTS = 4096
 _NUM_WARPS = 4
+# State elements a thread holds when a whole head is one program (8 warps for a 64 x 64 head).
+_ELEMENTS_PER_THREAD = 16
 
 
 def default_config(D: int, E: int, normalize: bool) -> dict:
@@ -162,7 +165,7 @@ def default_config(D: int, E: int, normalize: bool) -> dict:
     largest_d = max(16, triton.next_power_of_2(D))
     largest_e = max(16, triton.next_power_of_2(E))
     if normalize and largest_d * largest_e <= _TILE_ELEMENTS:
-        warps = max(1, min(8, largest_d * largest_e // (16 * 32)))
+        warps = max(1, min(8, largest_d * largest_e // (_ELEMENTS_PER_THREAD * 32)))
         return {"BLOCK_D": largest_d, "BLOCK_E": largest_e, "num_warps": warps}
     block_e = 16 if normalize else min(32, largest_e)
     block_d = min(_TILE_ELEMENTS // block_e, largest_d)
