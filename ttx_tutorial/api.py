@@ -67,8 +67,8 @@ AUTO = "auto"
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
 #: forward+backward is 1.12x faster (bfloat16). Under TF32 the count there is 32 programs of
-#: whole value heads, which chunked narrows to 128 programs of 32 columns; scan is 1.7x faster
-#: forward and 2.0x forward+backward than those.
+#: whole value heads, which chunked narrows to 128 programs of 32 columns; scan is faster than
+#: those, forward and forward+backward (tests/test_auto.py's TF32 table).
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192

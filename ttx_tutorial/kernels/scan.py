@@ -1381,9 +1381,9 @@ def _default_blocks(D, E, dtype, precision="tf32x3"):
         "tf32") from D = 65 to 128: whole value heads up to 128 columns. Where E is from 65 to
         128 too, chunks of 16 on 4 warps (D and E alike, so the backward's chunks match);
         elsewhere chunks of 32 (as the swapped backward's float32 tiles), on 8 warps once the
-        state passes 8192 entries. At (2, 16, 16384, 128) on an H200 the 16-token chunks took
-        1.117 / 3.689 ms forward / forward+backward, against 1.295 / 4.228 for chunks of 32 on
-        8 warps and 2.229 / 7.693 for the 32-column tiles (benchmarks/NOTES.md, 2026-12-04).
+        state passes 8192 entries. At (2, 16, 16384, 128) on an H200 the 16-token chunks were
+        the fastest, ahead of chunks of 32 on 8 warps and of 32-column tiles
+        (``benchmarks/float32_sweep.py``; figures in benchmarks/NOTES.md).
     Two stages let the loads of the next chunk overlap the products of this one.
     """
     block_d = _block(D)

@@ -156,10 +156,10 @@ def default_config(D: int, E: int, normalize: bool) -> dict:
     """Block sizes and warps. The state is the whole of the step's memory traffic, and a step is
     short enough that latency sets its time. When normalising, a head whose state fits one tile
     (at most 4096 elements) gets one program: no count of arrivals (see the module docstring),
-    16 elements a thread (8 warps at D = E = 64). A CUDA-graph replay at (8, 16, 64, 64) bfloat16
-    on an H200 took 8.6 us this way (``benchmarks/launch_cost.py``; an empty kernel 3.9), against
-    9.3-9.8 with 16-column programs on 4 warps and their count. Wider heads take 16 value
-    columns a program, each computing the denominator itself; without normalize, at most 32.
+    16 elements a thread (8 warps at D = E = 64): faster as a CUDA-graph replay on an H200 than
+    16-column programs with their count (``benchmarks/launch_cost.py``; figures in
+    benchmarks/NOTES.md). Wider heads take 16 value columns a program, each computing the
+    denominator itself; without normalize, at most 32.
     BLOCK_D: the rows of D, as a power of two of at least 16, at most a tile of 4096 elements (so
     at most 256: all of D in one iteration when normalising, as the kernel requires)."""
     largest_d = max(16, triton.next_power_of_2(D))
