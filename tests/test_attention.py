@@ -4,6 +4,8 @@ Every check compares against a float64 reference written independently of the on
 trick: the masked weights A = tril(phi(Q) phi(K)^T), out = A V / (A 1 + eps).
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,16 @@ from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations
 
 TRITON_METHODS = ("recurrent", "chunked", "scan")
 NORMALISED_BF16_DQ_TOLERANCE = 5e-2
+
+
+def normalised_bf16_dq_tolerance(width):
+    """bfloat16's tolerance for dq of the normalised attention with ``width`` features a key.
+
+    dq's cancellation (see check_against_reference) grows with the width: on elu + 1 features of
+    45 tokens (chunked, CPU mode, eps 1e-3) dq erred by 1.5e-2 at the median of 60 draws at
+    D = 16, 2.2e-2 at 48, 3.3e-2 at 80 (300 draws: worst 5.8e-2, 2 % past 5e-2) and 4.0e-2 at 128,
+    about as sqrt(D). The tolerance keeps D = 16's 5e-2 and grows as sqrt(D) beyond it."""
+    return NORMALISED_BF16_DQ_TOLERANCE * max(1.0, math.sqrt(width / 16))
 #: The recurrent kernels' bfloat16 dk of the normalised attention at T = 21: the worst of 60 draws
 #: erred by 1.04e-2 (about 1 draw in 60 past bfloat16's 1e-2), where chunked's and scan's worst
 #: were 8.1e-3 and 7.0e-3 on the same inputs: dk also carries the denominator's cancelling term.
@@ -244,7 +256,7 @@ def check_gradients(leaves, expected, dtype, what):
     for label, leaf, grad in zip(("q", "k", "v", "initial state"), leaves, expected):
         tolerance = TOLERANCES[dtype]
         if label == "q" and dtype == torch.bfloat16:
-            tolerance = NORMALISED_BF16_DQ_TOLERANCE  # see check_against_reference
+            tolerance = normalised_bf16_dq_tolerance(leaf.shape[-1])  # see check_against_reference
         error = relative_error(leaf.grad, grad)
         assert error <= tolerance, f"{what} d{label}: {error:.3e} > {tolerance:.0e}"
 
@@ -331,7 +343,7 @@ def test_passes_give_the_initial_state_its_gradient_when_k_needs_none(entry):
         torch.autograd.backward((out, state), (grad_out, grad_state))
     _, _, expected_dq, _, _, expected_ds0 = reference_with_state((q, k, v), s0, phi, 1e-3, grad_out, grad_state,
                                                                   mapped=True)
-    assert relative_error(q.grad, expected_dq) <= NORMALISED_BF16_DQ_TOLERANCE
+    assert relative_error(q.grad, expected_dq) <= normalised_bf16_dq_tolerance(72)
     assert_close(s0.grad, expected_ds0, torch.bfloat16, "dS_0")
 
 
