@@ -95,7 +95,7 @@ def rows(T):
         for leaf in leaves:
             leaf.grad = None
 
-    plan = chunked._backward_plan(T, 64, 64, torch.bfloat16, chunked._device_limits(q.device)[1], False, ())
+    plan = chunked._backward_plan(8 * 16, T, 64, 64, torch.bfloat16, chunked._device_limits(q.device), False, ())
     table = {
         "fwd no grad": lambda: product(q, k, v),
         "fwd building graph": lambda: product(*leaves),

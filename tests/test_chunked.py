@@ -5,13 +5,16 @@ interpreter stays quick and several chunks are crossed; the cases through ``caus
 use the wrapper's own rule.
 """
 
+import itertools
+
 import pytest
 import torch
 import triton
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked
-from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients)
+from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients,
+                                  relative_error)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SMALL_CHUNKS = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}
@@ -122,12 +125,111 @@ def test_fused_backward_with_absent_gradients(used, with_state, device):
             assert_close(x.grad, ref, torch.bfloat16, name)
 
 
+def _backward_gradients(q, k, v, s0, grad_o, grad_final_state, normalized, feature_map):
+    leaves = [x.detach().clone().requires_grad_(x is not q or grad_o is not None) for x in (q, k, v, s0)]
+    leaves[0].requires_grad_(normalized != "no dq")
+    with poisoned_allocations():
+        if normalized in ("plain", "no dq"):
+            o, state = chunked.chunked_causal_product(*leaves, config=SMALL_CHUNKS)
+        else:
+            features = None
+            if feature_map != "identity":
+                features = (feature_map, *(torch.nn.functional.elu(x.detach().float()).add(1).to(x.dtype)
+                                           for x in leaves[:2]))
+            o, state = chunked._run_normalized_validated(*leaves, 1e-6, SMALL_CHUNKS, features)
+        torch.autograd.backward((o, state), (grad_o, grad_final_state))
+    return [x.grad for x in leaves]
+
+
+def _single_and_split(monkeypatch, gradients):
+    """``gradients()`` with the fused backward's reverse walk as one program, then as two
+    (SPLIT_WALKS): on a GPU the rule itself splits at the tests' few heads."""
+    plan = chunked._backward_plan
+    results = []
+    for split_walks in (False, True):
+        monkeypatch.setattr(chunked, "_backward_plan", lambda *a, **kw: {**plan(*a, **kw), "SPLIT_WALKS": split_walks})
+        results.append(gradients())
+    return results
+
+
+@pytest.mark.parametrize("case", ["plain", "no dq", "normalized identity", "normalized elu"])
+@pytest.mark.parametrize("poison", [None, "v", "q", "k", "do"])
+def test_fused_backward_split_walks_match_the_single_reverse_walk(case, poison, device, monkeypatch):
+    """SPLIT_WALKS (dV and dK in two programs, each carrying R) computes each gradient with the
+    operations of the single reverse walk: the same values, bit for bit. With an inf in an
+    input each walk redoes token by token only the gradient it found non-finite (the single
+    walk redoes both): the same non-finite positions, and elsewhere values within bfloat16's
+    tolerance of each other. An inf in v or q spoils only dK's chunk products, one in k or dO
+    dV's too, so each walk's redo is needed by some case."""
+    normalized, _, feature_map = case.partition(" ")
+    T, D, E = 3 * C + 5, 24, 40
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=11, initial_state=True)
+    if normalized != "normalized":
+        normalized = case
+    else:
+        q, k = q.abs(), k.abs()
+        s0 = torch.cat([s0, torch.rand(1, 2, D, 1, device=device)], dim=-1)
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(7)).to(device, q.dtype)
+    if poison is not None:
+        {"v": v, "q": q, "k": k, "do": grad_o}[poison][0, 1, T - C, 3] = float("inf")
+    grad_final_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(8)).to(device)
+    single, split = _single_and_split(monkeypatch, lambda: _backward_gradients(
+        q, k, v, s0, grad_o, grad_final_state, normalized, feature_map or "identity"))
+    for name, a, b in zip(("dq", "dk", "dv", "dS0"), single, split):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        if poison is None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=name)
+        else:
+            assert torch.equal(a.isfinite(), b.isfinite()) and torch.equal(a.isnan(), b.isnan()), name
+            finite = a.isfinite()
+            assert relative_error(b[finite], a[finite]) < 2e-2, name
+
+
+@pytest.mark.parametrize("with_dq", [True, False], ids=["dq", "no dq"])
+@pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
+def test_fused_backward_split_walks_match_with_packed_sequences(with_dq, with_final_grad, device, monkeypatch):
+    """Packed sequences (one of them empty) through the split walks: each program row takes its
+    sequence's tokens and state, and the gradients equal the single walk's bit for bit, with and
+    without dQ's walk and the gradient of the final states."""
+    lengths = (7, 2 * C + 3, 0, C + 5)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    q, k, v = random_inputs(1, 2, sum(lengths), 24, 40, dtype=torch.bfloat16, device=device, seed=13)
+    s0 = torch.randn(len(lengths), 2, 24, 40, generator=torch.Generator().manual_seed(14)).to(device)
+    grad_o = torch.randn(v.shape, generator=torch.Generator().manual_seed(15)).to(device, v.dtype)
+    grad_final_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(16)).to(device)
+
+    def gradients():
+        leaves = [x.detach().clone().requires_grad_(x is not q or with_dq) for x in (q, k, v, s0)]
+        with poisoned_allocations():
+            o, state = chunked.chunked_causal_product(*leaves, config=SMALL_CHUNKS, cu_seqlens=cu_seqlens)
+            if with_final_grad:
+                torch.autograd.backward((o, state), (grad_o, grad_final_state))
+            else:
+                o.backward(grad_o)
+        return [x.grad for x in leaves]
+
+    for name, a, b in zip(("dq", "dk", "dv", "dS0"), *_single_and_split(monkeypatch, gradients)):
+        assert (a is None) == (b is None) == (name == "dq" and not with_dq), name
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
 def test_fused_backward_rule():
     assert chunked.fused_backward_config(64, 64, torch.bfloat16)["CHUNK"] == 64
     assert chunked.fused_backward_config(64, 64, torch.float16)["CHUNK"] == 32  # 64 would spill
     assert chunked.fused_backward_config(64, 64, torch.float16, SMALL_CHUNKS)["CHUNK"] == C
     assert chunked.fused_backward_config(65, 64, torch.bfloat16) is None  # BLOCK_D = 128
     assert chunked.fused_backward_config(64, 64, torch.float32) is None
+    # SPLIT_WALKS only where all three programs of every head find a multiprocessor of their own
+    assert not chunked.fused_backward_config(64, 64, torch.bfloat16)["SPLIT_WALKS"]
+    for heads, split in ((1, True), (8, True), (44, True), (45, False), (128, False)):
+        fused = chunked.fused_backward_config(64, 64, torch.bfloat16, heads=heads, multiprocessors=132)
+        assert fused["SPLIT_WALKS"] is split, heads
+    limits = (132, chunked._NOMINAL_LIMITS[1])
+    assert chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, False, ())["SPLIT_WALKS"]
+    assert not chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, True, ())["SPLIT_WALKS"]
 
 
 def test_gradients_only_for_inputs_that_need_them(device):

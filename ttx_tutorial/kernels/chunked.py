@@ -14,8 +14,9 @@ first with the upper triangle, so the state holds sum_{s >= t} k_s v_s^T.
 Backward, with dO the gradient of o and G that of S_T: dQ = forward product (dO, V, K) from
 S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO) from G, whose
 final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
-one launch (two programs a head: a forward walk for dQ, a reverse walk for dK and dV); otherwise
-``chunked_kernel`` runs three times.
+one launch (two programs a head: a forward walk for dQ, a reverse walk for dK and dV; with
+``SPLIT_WALKS``, for heads too few to fill the GPU, the reverse walk is two programs, one for dV
+and one for dK, each carrying the same R); otherwise ``chunked_kernel`` runs three times.
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
@@ -370,8 +371,8 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
                                         stride_sd, stride_se,
                                         BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                         NORMALIZE: tl.constexpr, FEATURE_MAP: tl.constexpr,
-                                        INTERPRETED: tl.constexpr):
-    """Rewrites dk and dv for tokens [0, T), last first, from R = G (and dz = G's z column), one
+                                        INTERPRETED: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """Rewrites dk (WANT_DK) and dv (WANT_DV) for tokens [0, T), last first, from R = G (and dz = G's z column), one
     token at a time: R <- R + q_t g_t^T, dk_t = R v_t, dv_t = R^T k_t (NORMALIZE: dz <- dz + r_t q_t,
     dk_t plus dz), in float32, dk_t then through FEATURE_MAP's derivative at k_t; causal by
     construction, as ``_outputs_token_by_token``."""
@@ -392,12 +393,156 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
         if NORMALIZE:
             b_dz += b_grad_denominator * b_q
             b_dk += b_dz
-        b_dv = tl.sum(b_r * b_k[:, None], 0)
-        b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
-        tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd, _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED),
-                 mask=mask_d)
-        tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve, _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED),
-                 mask=mask_e)
+        if WANT_DV:
+            b_dv = tl.sum(b_r * b_k[:, None], 0)
+        if WANT_DK:
+            b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
+            tl.store(dk_ptr + t * stride_dkt + offs_d * stride_dkd,
+                     _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
+        if WANT_DV:
+            tl.store(dv_ptr + t * stride_dvt + offs_e * stride_dve,
+                     _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_e)
+
+
+@triton.jit
+def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr, denominator_ptr, g_ptr, ds0_ptr,
+                  cu_seqlens_ptr, q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg, grad_denominator_arg,
+                  denominator_arg, g_arg, b, h, pid_bh, T, H, D, E, has_final_grad, num_chunks,
+                  stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                  stride_vb, stride_vh, stride_vt, stride_ve, stride_dob, stride_doh, stride_dot, stride_doe,
+                  stride_dkb, stride_dkh, stride_dkt, stride_dkd, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+                  stride_gb, stride_gh, stride_gd, stride_ge,
+                  BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr,
+                  COMPENSATED: tl.constexpr, IS_VARLEN: tl.constexpr, NORMALIZE: tl.constexpr,
+                  FEATURE_MAP: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """``chunked_backward_kernel``'s reverse walk (its comments give the algebra): dK (WANT_DK)
+    and dV (WANT_DV) of one (batch, head), carrying R = G + sum of Q^T dO over the later chunks
+    either way. The walk that makes dV writes dS_0's E columns, the one that makes dK its z
+    column (NORMALIZE); one program with both makes all. Pointers as the kernel offsets them; the
+    ``*_arg`` pointers as passed, for the token-by-token walk after the loop."""
+    INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
+    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
+    # k feeds dV's products, and dK only through the feature map's derivative; v feeds only dK.
+    LOADS_K: tl.constexpr = WANT_DV or FEATURE_MAP != "identity"
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, CHUNK)
+    mask_d = offs_d < D
+    mask_e = offs_e < E
+    b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
+    if has_final_grad:
+        g_ptr += b * stride_gb + h * stride_gh
+        b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
+                      mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+        if NORMALIZE and WANT_DK:
+            b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
+    # Row s (token s) receives from column t (token t) when t >= s.
+    upper = offs_c[:, None] <= offs_c[None, :]
+    b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    if NORMALIZE and WANT_DK:  # r a chunk ahead, as in the forward walk
+        offs_last = (num_chunks - 1) * CHUNK + offs_c
+        b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_last, mask=offs_last < T, other=0.0)
+    for i in range(num_chunks):
+        offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
+        mask_t = offs_t < T
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_te = mask_t[:, None] & mask_e[None, :]
+        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
+        if LOADS_K:
+            b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
+        if WANT_DK:
+            b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
+        b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
+                       other=0.0)
+        if INTERPRETED:
+            b_q = b_q.to(tl.float32)
+            b_do = b_do.to(tl.float32)
+            if LOADS_K:
+                b_k = b_k.to(tl.float32)
+            if WANT_DK:
+                b_v = b_v.to(tl.float32)
+        if NORMALIZE:
+            if WANT_DK:
+                b_grad_denominator = b_grad_denominator_next
+                offs_next = offs_t - CHUNK
+                b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_next, mask=offs_next >= 0, other=0.0)
+            b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
+                                       INTERPRETED)
+            b_q = b_q.to(MIXED_DOT_DTYPE)
+            if LOADS_K:
+                b_k = b_k.to(MIXED_DOT_DTYPE)
+            if WANT_DK:
+                b_v = b_v.to(MIXED_DOT_DTYPE)
+
+        # The order of the products is the one measured fastest for each kind of walk: with both
+        # gradients, both score tiles first, then the four products that read R; with one, R's
+        # rounding first.
+        if not (WANT_DK and WANT_DV):
+            b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+        if WANT_DV:
+            b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
+            b_kq = tl.where(upper, b_kq, 0.0)
+        if WANT_DK:
+            b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
+            if NORMALIZE:
+                b_vdo += b_grad_denominator[None, :]
+            b_vdo = tl.where(upper, b_vdo, 0.0)
+        if WANT_DK and WANT_DV:
+            b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
+        if WANT_DV:
+            b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
+            b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE),
+                          acc=b_dv, input_precision=FLOAT32_PRECISION)
+            if not WANT_DK:
+                b_dkv_seen += tl.sum(b_dv * 0.0, 1)
+        if WANT_DK:
+            b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
+            b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
+                          acc=b_dk, input_precision=FLOAT32_PRECISION)
+            if NORMALIZE:
+                b_dk += b_dz[None, :]
+                b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
+        b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
+        if WANT_DK:
+            if FEATURE_MAP != "identity":  # b_k is loaded only then where dV is not wanted
+                b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
+            if WANT_DV:
+                b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
+            else:
+                b_dkv_seen += tl.sum(b_dk * 0.0, 1)
+        if WANT_DK:
+            tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
+                     _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
+        if WANT_DV:
+            tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
+                     _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
+
+    state_width = E + 1 if NORMALIZE else E
+    ds0_ptr += pid_bh.to(tl.int64) * D * state_width
+    if WANT_DV:
+        tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
+    if NORMALIZE and WANT_DK:
+        tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
+
+    if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in this walk's dK_c or dV_c: redo them from G
+        row = tl.program_id(0).to(tl.int64)
+        batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
+        _key_value_gradients_token_by_token(
+            q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
+            k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
+            v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
+            do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
+            dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
+            dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
+            grad_denominator_arg + row * tokens, denominator_arg + row * tokens,
+            g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
+            stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
+            stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
+            BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED, WANT_DK, WANT_DV)
 
 
 @triton.jit
@@ -566,7 +711,8 @@ def chunked_backward_kernel(
                                     # (the three states have E + 1 columns, z last, when NORMALIZE)
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
-    compute_dq,                     # 0: no forward walk (q needs no gradient; dq_ptr unused), a grid (B * H, 1)
+    compute_dq,                     # 0: no forward walk (q needs no gradient; dq_ptr unused), a grid
+                                    # (B * H, 1 + SPLIT_WALKS)
     has_initial_state,              # 0: S_0 = 0 (initial_state_ptr is never read)
     has_final_grad,                 # 0: G = 0, S_T was not used (g_ptr is never read)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -587,12 +733,14 @@ def chunked_backward_kernel(
     NORMALIZE: tl.constexpr,        # the backward of chunked_kernel's NORMALIZE forward
     FEATURE_MAP: tl.constexpr,      # "identity", or the map that made q and k (features): dq and dk
                                     # are taken through its derivative before they are stored
+    SPLIT_WALKS: tl.constexpr,      # the reverse walk as two programs, one for dV and one for dK
 ):
     """The whole backward of one (batch, head) in its row of programs: with compute_dq, program 0
-    walks forward for dQ and program 1 backwards for dK, dV and dS_0; without, program 0 walks
-    backwards. A walk is a chain of dependent loads and products: two programs a head let the GPU
-    overlap one walk's waits with the other's work (most where the heads are fewer than the
-    multiprocessors)."""
+    walks forward for dQ and the next one(s) backwards for dK, dV and dS_0; without, the reverse
+    walk(s) alone. With SPLIT_WALKS the reverse walk is two programs, dV's then dK's, each
+    carrying the same R: its products are done twice, and each program holds half the tiles. A
+    walk is a chain of dependent loads and products: more programs a head let the GPU overlap one
+    walk's waits with another's work (most where the heads are fewer than the multiprocessors)."""
     # The arguments as passed, for the token-by-token walks after the chunk loops (see the end).
     q_arg, k_arg, v_arg, do_arg = q_ptr, k_ptr, v_ptr, do_ptr
     grad_denominator_arg, denominator_arg = grad_denominator_ptr, denominator_ptr
@@ -719,93 +867,26 @@ def chunked_backward_kernel(
                 T_dq, D, E, stride_dot, stride_doe, stride_vt, stride_ve, stride_kt, stride_kd, stride_qt, stride_qd,
                 stride_dqt, stride_dqd, stride_s0d, stride_s0e, BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
 
-    if tl.program_id(1) == tl.num_programs(1) - 1:  # the reverse walk: dK, dV and dS_0
-        b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-        b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
-        if has_final_grad:
-            g_ptr += b * stride_gb + h * stride_gh
-            b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
-                          mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-            if NORMALIZE:
-                b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
-        # Row s (token s) receives from column t (token t) when t >= s.
-        upper = offs_c[:, None] <= offs_c[None, :]
-        b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
-        b_r_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-        if NORMALIZE:  # r a chunk ahead, as in the forward walk
-            offs_last = (num_chunks - 1) * CHUNK + offs_c
-            b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_last, mask=offs_last < T, other=0.0)
-        for i in range(num_chunks):
-            offs_t = (num_chunks - 1 - i) * CHUNK + offs_c
-            mask_t = offs_t < T
-            mask_td = mask_t[:, None] & mask_d[None, :]
-            mask_te = mask_t[:, None] & mask_e[None, :]
-            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_td, other=0.0)
-            b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask_td, other=0.0)
-            b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve, mask=mask_te, other=0.0)
-            b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe, mask=mask_te,
-                           other=0.0)
-            if INTERPRETED:
-                b_q = b_q.to(tl.float32)
-                b_k = b_k.to(tl.float32)
-                b_v = b_v.to(tl.float32)
-                b_do = b_do.to(tl.float32)
-            if NORMALIZE:
-                b_grad_denominator = b_grad_denominator_next
-                offs_next = offs_t - CHUNK
-                b_grad_denominator_next = tl.load(grad_denominator_ptr + offs_next, mask=offs_next >= 0, other=0.0)
-                b_do = _numerator_gradient(b_do, denominator_ptr, offs_t, mask_t, MIXED_DTYPE, MIXED_DOT_DTYPE,
-                                           INTERPRETED)
-                b_q = b_q.to(MIXED_DOT_DTYPE)
-                b_k = b_k.to(MIXED_DOT_DTYPE)
-                b_v = b_v.to(MIXED_DOT_DTYPE)
-
-            b_kq = tl.dot(b_k, tl.trans(b_q), input_precision=FLOAT32_PRECISION)        # [C, C]
-            b_kq = tl.where(upper, b_kq, 0.0)
-            b_vdo = tl.dot(b_v, tl.trans(b_do), input_precision=FLOAT32_PRECISION)      # [C, C]
-            if NORMALIZE:
-                b_vdo += b_grad_denominator[None, :]
-            b_vdo = tl.where(upper, b_vdo, 0.0)
-            b_r_mixed = _rounded(b_r, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE)
-            b_dv = tl.dot(b_k.to(MIXED_DOT_DTYPE), b_r_mixed, input_precision=FLOAT32_PRECISION)       # [C, E]
-            b_dv = tl.dot(_rounded(b_kq, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_do.to(MIXED_DOT_DTYPE),
-                          acc=b_dv, input_precision=FLOAT32_PRECISION)
-            b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
-            b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
-                          acc=b_dk, input_precision=FLOAT32_PRECISION)
-            if NORMALIZE:
-                b_dk += b_dz[None, :]
-                b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
-            b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
-            b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
-            b_dkv_seen += tl.sum(b_dk * 0.0, 1) + tl.sum(b_dv * 0.0, 1)
-
-            tl.store(dk_ptr + offs_t[:, None] * stride_dkt + offs_d[None, :] * stride_dkd,
-                     _rounded(b_dk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
-            tl.store(dv_ptr + offs_t[:, None] * stride_dvt + offs_e[None, :] * stride_dve,
-                     _rounded(b_dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask_te)
-
-        state_width = E + 1 if NORMALIZE else E
-        ds0_ptr += pid_bh.to(tl.int64) * D * state_width
-        tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
-        if NORMALIZE:
-            tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
-
-        if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in dK_c or dV_c: redo both from G
-            row = tl.program_id(0).to(tl.int64)
-            batch, h, first, tokens = _sequence_after_loop(cu_seqlens_ptr, row, H, T, IS_VARLEN)
-            _key_value_gradients_token_by_token(
-                q_arg + batch * stride_qb + h * stride_qh + first * stride_qt,
-                k_arg + batch * stride_kb + h * stride_kh + first * stride_kt,
-                v_arg + batch * stride_vb + h * stride_vh + first * stride_vt,
-                do_arg + batch * stride_dob + h * stride_doh + first * stride_dot,
-                dk_arg + batch * stride_dkb + h * stride_dkh + first * stride_dkt,
-                dv_arg + batch * stride_dvb + h * stride_dvh + first * stride_dvt,
-                grad_denominator_arg + row * tokens, denominator_arg + row * tokens,
-                g_arg + (row // H) * stride_gb + h * stride_gh, has_final_grad, tokens, D, E,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_ve, stride_dot, stride_doe,
-                stride_dkt, stride_dkd, stride_dvt, stride_dve, stride_gd, stride_ge,
-                BLOCK_D, BLOCK_E, NORMALIZE, FEATURE_MAP, INTERPRETED)
+    # The reverse walk(s), the row's last program(s): dK, dV and dS_0. Their arguments as passed
+    # and as offset above, the strides, and the constexprs.
+    walk_args = (q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr, denominator_ptr, g_ptr, ds0_ptr,
+                 cu_seqlens_ptr, q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg, grad_denominator_arg,
+                 denominator_arg, g_arg, b, h, pid_bh, T, H, D, E, has_final_grad, num_chunks,
+                 stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                 stride_vb, stride_vh, stride_vt, stride_ve, stride_dob, stride_doh, stride_dot, stride_doe,
+                 stride_dkb, stride_dkh, stride_dkt, stride_dkd, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+                 stride_gb, stride_gh, stride_gd, stride_ge)
+    if SPLIT_WALKS:  # two programs after dQ's: dV (and dS_0's E columns), then dK (and dz_0)
+        if tl.program_id(1) >= compute_dq:
+            if tl.program_id(1) == compute_dq:
+                _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
+                              FEATURE_MAP, False, True)
+            else:
+                _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
+                              FEATURE_MAP, True, False)
+    elif tl.program_id(1) == tl.num_programs(1) - 1:
+        _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
+                      FEATURE_MAP, True, True)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -1028,31 +1109,42 @@ def _fused_backward_shared_memory(fused, dtype, normalize=False):
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False):
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False,
+                          heads=None, multiprocessors=None):
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
     ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
     need the registers). A walk's parallelism is its load pipeline and the other walk's program:
     4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks wait longer on
     their products: two programs then share a multiprocessor; timed faster on an H200), fewer
-    stages until the loads in flight fit ``shared_memory``."""
+    stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the ``heads``
+    (B * H, or sequences * H when packed) are so few that every program of the split launch,
+    three a head, has a multiprocessor of its own (3 * heads <= multiprocessors): the longest
+    program, the reverse walk, then makes one of its two gradients, four of its seven products
+    a chunk (R's update in both). On an H200 faster with 8 heads, slower with 128; see
+    benchmarks/fused_backward_variants.py."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
-             "num_stages": 3 if normalize else 4}
+             "num_stages": 3 if normalize else 4,
+             "SPLIT_WALKS": heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors}
     while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(T, D, E, dtype, shared_memory, interpreted, overrides, normalize=False):
+def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normalize=False):
     """Launch keywords of ``chunked_backward_kernel`` for one shape (``fused_backward_config``
     with the constexprs), or None where the backward runs ``chunked_kernel`` three times instead.
     Cached like ``_launch_plan``; the returned dict is shared and must not be modified."""
-    fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory, normalize=normalize)
+    multiprocessors, shared_memory = limits
+    if interpreted:  # programs run one after another: no multiprocessors to fill
+        multiprocessors = None
+    fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory, normalize=normalize,
+                                  heads=heads, multiprocessors=multiprocessors)
     if fused is None:
         return None
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
@@ -1130,7 +1222,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
-        chunked_backward_kernel[(B * H, 1 + int(compute_dq))](
+        chunked_backward_kernel[(B * H, 1 + int(launch_keywords["SPLIT_WALKS"]) + int(compute_dq))](
             q, k, v, grad_o, grad_denominator, denominator, dq_arg, dk, dv, s0_arg, g_arg, ds0,
             ds0 if cu_seqlens is None else cu_seqlens, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
@@ -1160,8 +1252,9 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         grad_q = grad_k = grad_v = grad_initial_state = None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros_like(v)
-        fused = _backward_plan(q.shape[2], q.shape[3], v.shape[3], q.dtype, _device_limits(q.device)[1],
-                               triton.knobs.runtime.interpret,
+        sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        fused = _backward_plan(sequences * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
+                               _device_limits(q.device), triton.knobs.runtime.interpret,
                                () if ctx.config is None else tuple(sorted(ctx.config.items())))
         if fused is not None and (needs_k or needs_v or needs_initial_state):
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
@@ -1250,8 +1343,8 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
         needs_q, needs_k, needs_v, needs_initial_state = ctx.needs_input_grad[:4]
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros_like(o)
-        fused = _backward_plan(q.shape[2], q.shape[3], v.shape[3], q.dtype, _device_limits(q.device)[1],
-                               triton.knobs.runtime.interpret,
+        fused = _backward_plan(q.shape[0] * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
+                               _device_limits(q.device), triton.knobs.runtime.interpret,
                                () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True)
         feature_map = ctx.feature_map
         if fused is not None:
