@@ -13,7 +13,8 @@ times:
   kernel file's public ``chunked_causal_product``; ``scan`` with its rule and on 4 and 8 warps
   (``SCAN_CANDIDATES``); ``recurrent`` with its rule. Under "highest", once per kind of float32
   products named by ``--products`` (3xTF32, the kernels' own, by default; Triton's bfloat16
-  splits "bf16x3" and "bf16x6" on a GPU), each row saying which;
+  splits "bf16x3" and "bf16x6" on a GPU; "bf16x3_manual", the kernel files' own split into
+  bfloat16 parts, ``BF16X3_MANUAL``, also under the interpreter), each row saying which;
 - once, the peers when importable: fast-transformers' ``causal_dot_product`` (a CUDA kernel in
   float32, unaffected by the setting) and fla's ``chunk_linear_attn`` and
   ``fused_chunk_linear_attn`` in float32 (their own TF32 products; ``scale=1.0,
@@ -95,9 +96,12 @@ CANDIDATES = {
 #: deeper load pipelines on 4 warps.
 SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_stages": 3},
                    {"num_warps": 4, "num_stages": 4}]
-#: float32 products "highest" may use: 3xTF32 (the kernels' default) and Triton's splits into
-#: bfloat16 parts (two parts, three products; three parts, six products).
-HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6")
+#: float32 products "highest" may use: 3xTF32 (the kernels' default), Triton's splits into
+#: bfloat16 parts (two parts, three products; three parts, six products) and the kernel files'
+#: own split into two bfloat16 parts (``BF16X3_MANUAL``).
+HIGHEST_PRODUCTS = ("tf32x3", "bf16x3", "bf16x6", "bf16x3_manual")
+#: Products the interpreter computes: Triton's own splits are lowered on a GPU only.
+INTERPRETER_PRODUCTS = (FLOAT32_PRECISIONS["highest"], "bf16x3_manual")
 DEFAULT_PRODUCTS = FLOAT32_PRECISIONS["highest"]
 #: Short names of config keys in printed rows.
 LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}
@@ -367,8 +371,8 @@ def main(argv=None):
     products = tuple(p for p in args.products.split(",") if p)
     if not products or set(products) - set(HIGHEST_PRODUCTS):
         parser.error(f"--products: choose from {', '.join(HIGHEST_PRODUCTS)}, got {args.products!r}")
-    if ttx_tutorial.INTERPRETED and set(products) - {DEFAULT_PRODUCTS}:
-        parser.error(f"--products: Triton's interpreter knows only {DEFAULT_PRODUCTS} of these")
+    if ttx_tutorial.INTERPRETED and set(products) - set(INTERPRETER_PRODUCTS):
+        parser.error(f"--products: Triton's interpreter knows only {', '.join(INTERPRETER_PRODUCTS)} of these")
     if args.shapes is not None:
         shapes = parse_shapes(args.shapes, "--shapes")
     else:

@@ -87,14 +87,19 @@ def wrapper_calls(module):
     calls = []
 
     def add(B, H, T, D, E, dtype, config=None, with_state=True, cu_seqlens=None, offsets_dtype=torch.int32,
-            normalized=False, feature_map=None, features=None, matmul_precision="highest"):
+            normalized=False, feature_map=None, features=None, matmul_precision="highest", products=None):
         def thunk():
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(matmul_precision)  # float32's products and rule
+            saved = dict(module.FLOAT32_PRECISIONS) if products else None
+            if products:  # products no setting selects (the sweep's candidates)
+                module.FLOAT32_PRECISIONS[matmul_precision] = products
             try:
                 run()
             finally:
                 torch.set_float32_matmul_precision(before)
+                if products:
+                    module.FLOAT32_PRECISIONS.update(saved)
 
         def run():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
@@ -119,6 +124,8 @@ def wrapper_calls(module):
                 "feature_map": feature_map or features}
         if matmul_precision != "highest":
             call["float32_matmul_precision"] = matmul_precision
+        if products:
+            call["products"] = products
         calls.append((call, thunk))
 
     for dtype in DTYPES:
@@ -129,6 +136,13 @@ def wrapper_calls(module):
     # float32 under TF32 ("high"): its own tiles (whole value heads up to 128 columns in chunked).
     for D, E in COVERAGE_HEAD_DIMS:
         add(2, 3, 777, D, E, torch.float32, matmul_precision="high")
+    # float32 split into bfloat16 parts by the kernel files themselves (BF16X3_MANUAL), a candidate
+    # for "highest" that benchmarks/float32_sweep.py times: plain and normalised.
+    if hasattr(module, "BF16X3_MANUAL"):
+        for D, E in ((16, 16), (64, 64), (128, 128)):
+            add(2, 3, 777, D, E, torch.float32, products="bf16x3_manual")
+        if hasattr(module, "_run_normalized_validated"):
+            add(2, 3, 777, 64, 64, torch.float32, normalized=True, products="bf16x3_manual")
     # Long 16-bit sequences, past the chunk count where chunked sums its states with a carry.
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):

@@ -284,6 +284,37 @@ def test_emulated_bfloat16_split_is_within_float32_tolerance_but_coarser_than_3x
     assert 3 * three_tf32 < split <= TOLERANCES[torch.float32], (split, three_tf32)
 
 
+@pytest.mark.parametrize("family", ["chunked", "scan"])
+def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, monkeypatch, device):
+    """``BF16X3_MANUAL``, the kernel files' own split of float32 operands into two bfloat16 parts
+    (a candidate for "highest" that benchmarks/float32_sweep.py times): every launch receives it,
+    and the forward, the final state and every gradient are within float32's tolerance against
+    float64, yet coarser than 3xTF32 on the same inputs (16 significand bits against 3xTF32's
+    21 + 11): a kernel that ignored the split, or kept one bfloat16 part, fails. scan takes
+    64-token segments, so that its pass over the segments' summaries has programs."""
+    module = {"chunked": chunked, "scan": scan}[family]
+    config = {"SEGMENT_LEN": 64} if family == "scan" else None
+    entry = getattr(module, f"{family}_causal_product")
+    q, k, v, s0 = random_inputs(1, 2, 165, 64, device=device, initial_state=True, requires_grad=True)
+    grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
+    _, _, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
+    ref_o, ref_state = reference(q, k, v, s0, device=device)
+    errors = {}
+    for products in ("tf32x3", "bf16x3_manual"):
+        monkeypatch.setitem(module.FLOAT32_PRECISIONS, "highest", products)
+        for x in (q, k, v, s0):
+            x.grad = None
+        with poisoned_allocations(), recorded_launches(module) as launches:
+            o, state = entry(q, k, v, s0, config=config)
+            torch.autograd.backward((o, state), (grad_o, grad_state))
+        assert {kw["FLOAT32_PRECISION"] for _, kw in launches if "FLOAT32_PRECISION" in kw} == {products}
+        errors[products] = {"o": relative_error(o, ref_o), "S_T": relative_error(state, ref_state),
+                            **{name: relative_error(x.grad, ref_grads[name])
+                               for name, x in (("q", q), ("k", k), ("v", v), ("initial_state", s0))}}
+    for name, error in errors["bf16x3_manual"].items():
+        assert 3 * errors["tf32x3"][name] < error <= TOLERANCES[torch.float32], (name, errors)
+
+
 # On the GPU: tensor cores really round. (B, H, T, D): the main benchmark's head sizes, and a
 # long sequence (1024 chunks of 64 tokens) where a truncating accumulation of the state would
 # show as a bias that grows with T.
@@ -361,3 +392,24 @@ def test_float32_sweep_times_the_candidates_it_is_given(tmp_path):
             assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
     with pytest.raises(SystemExit):
         sweep.main(["--shapes", "1,1,17,16", "--candidates", '[{"BLOCK_E": 16}]'])
+
+
+def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path):
+    """``--products bf16x3_manual`` times the kernel files' own bfloat16 split under "highest",
+    under the interpreter too: chunked's and scan's rows say so and stay within float32's
+    tolerance; Triton's own splits, lowered on a GPU only, are refused by name there."""
+    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--shapes", "1,1,40,16", "--settings", "highest", "--products", "tf32x3,bf16x3_manual",
+                       "--candidates", json.dumps([{"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}]),
+                       "--scan-candidates", json.dumps([{"num_warps": 4}]), "--no-peers", "--out", str(out)]) == 0
+    rows = [row for row in json.loads(out.read_text())["rows"] if row["products"] == "bf16x3_manual"]
+    assert {(row["impl"], row["mode"]) for row in rows if row["impl"] != "recurrent"} == {
+        (impl, mode) for impl in ("chunked", "scan") for mode in ("fwd", "fwd+bwd")}
+    for row in rows:
+        assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
+    if ttx_tutorial.INTERPRETED:
+        with pytest.raises(SystemExit):
+            sweep.main(["--shapes", "1,1,17,16", "--products", "bf16x3"])

@@ -42,6 +42,10 @@ keeps them in float32 (TF32 products, exact for float16 inputs): long sequences 
 features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each chunk's state
 product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
 adds it with a Kahan carry.
+``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
+against float64 under the interpreter), is a candidate that ``benchmarks/float32_sweep.py
+--products`` times; no setting selects it. Compiled for sm_80 and sm_90 with Triton 3.9; not
+yet run on a GPU.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
 "tf32x3" and "tf32" and the token-by-token walks below included).
@@ -70,23 +74,58 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.constexpr):
+def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """(b_sum + a @ b, carry). A tensor-core product that accumulates into b_sum truncates the
     sum at every step, a bias that grows with the number of chunks; COMPENSATED instead adds
     each chunk's product in rounded float32 and keeps the rounding error in b_carry (Kahan).
-    A split of float32 operands (3xTF32; Triton's bfloat16 parts, which ``float32_sweep.py``
-    times) makes three or more truncating additions a chunk: its product is added in rounded
-    float32."""
+    A split of float32 operands (3xTF32, bfloat16 parts) makes three or more truncating
+    additions a chunk: its product is added in rounded float32."""
     if COMPENSATED:
-        y = tl.dot(a, b, input_precision=PRECISION) - b_carry
+        y = _dot(a, b, None, PRECISION, INTERPRETED) - b_carry
         total = b_sum + y
         b_carry = (total - b_sum) - y
         b_sum = total
-    elif PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6":
-        b_sum += tl.dot(a, b, input_precision=PRECISION)
+    elif PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6" or PRECISION == BF16X3_MANUAL:
+        b_sum += _dot(a, b, None, PRECISION, INTERPRETED)
     else:
-        b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
+        b_sum = _dot(a, b, b_sum, PRECISION, INTERPRETED)
     return b_sum, b_carry
+
+
+#: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
+#: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
+#: bfloat16 products (the lo @ lo term is below float32's rounding). The arithmetic of Triton's
+#: "bf16x3", with the split written out in the kernel. No PyTorch setting selects it:
+#: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate for "highest".
+BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
+
+
+@triton.jit
+def _bfloat16_parts(x, INTERPRETED: tl.constexpr):
+    """(hi, lo) of float32 x, both bfloat16 values: hi = x rounded, lo = (x - hi) rounded. Under
+    the interpreter they stay float32 tensors (its ``tl.dot`` multiplies bfloat16 bit patterns)."""
+    hi = _rounded(x, tl.bfloat16, INTERPRETED)
+    lo = _rounded(x - hi.to(tl.float32), tl.bfloat16, INTERPRETED)
+    if INTERPRETED:
+        hi = hi.to(tl.float32)
+        lo = lo.to(tl.float32)
+    return hi, lo
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b (acc None: a @ b) in float32, with PRECISION the ``input_precision`` of
+    float32 operands, or BF16X3_MANUAL (see there), smallest terms first."""
+    if PRECISION == BF16X3_MANUAL:
+        a_hi, a_lo = _bfloat16_parts(a.to(tl.float32), INTERPRETED)
+        b_hi, b_lo = _bfloat16_parts(b.to(tl.float32), INTERPRETED)
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -506,7 +545,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
             if NORMALIZE:
                 b_dk += b_dz[None, :]
                 b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
-        b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION)
+        b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
         if WANT_DK:
             if FEATURE_MAP != "identity":  # b_k is loaded only then where dV is not wanted
                 b_dk = _through_features(b_dk, b_k, FEATURE_MAP)
@@ -660,18 +699,18 @@ def chunked_kernel(
         # O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c, then S_c = S_{c-1} + K_c^T V_c. In this order
         # the state update is the last product of the loop, so the GPU leaves it running while the
         # program stores O_c and issues the next loads (Triton waits on every other product at once).
-        b_scores = tl.dot(b_q, b_kt, input_precision=FLOAT32_PRECISION)           # [C, C]
+        b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
         b_scores = tl.where(visible, b_scores, 0.0)
-        b_o = tl.dot(b_q.to(MIXED_DOT_DTYPE), _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                     input_precision=FLOAT32_PRECISION)                              # [C, E]
-        b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
-                     acc=b_o, input_precision=FLOAT32_PRECISION)
+        b_o = _dot(b_q.to(MIXED_DOT_DTYPE), _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                   None, FLOAT32_PRECISION, INTERPRETED)                             # [C, E]
+        b_o = _dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
+                   b_o, FLOAT32_PRECISION, INTERPRETED)
         if NORMALIZE:
             b_o = _normalized(b_o, b_scores, b_q, b_key_sum, eps, denominator_ptr + (b * H + h) * T + offs_t,
                               offs_t < stored_tokens)
             b_key_sum, b_key_sum_carry = _add_product(b_key_sum, b_key_sum_carry, b_kt, b_units, COMPENSATED,
-                                                      FLOAT32_PRECISION)
-        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION)
+                                                      FLOAT32_PRECISION, INTERPRETED)
+        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
         b_seen += tl.sum(b_o * 0.0, 1)
 
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
@@ -846,7 +885,7 @@ def chunked_backward_kernel(
             if NORMALIZE:
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
-            b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION)
+            b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
             if FEATURE_MAP != "identity":  # the walk reads q only here, for phi'(q)
                 b_dq = _through_features(b_dq, tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                                                        mask=mask_td, other=0.0), FEATURE_MAP)

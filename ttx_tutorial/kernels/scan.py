@@ -62,6 +62,10 @@ about float32's accuracy) for "highest", the default, TF32 for "high" and "mediu
 3xTF32 the segment sums and states add each chunk's product in rounded float32, not in the
 tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
 float16 keeps them in float32 (TF32 products).
+``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
+against float64 under the interpreter), is a candidate that ``benchmarks/float32_sweep.py
+--products`` times; no setting selects it. Compiled for sm_80 and sm_90 with Triton 3.9; not
+yet run on a GPU.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel``,
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
@@ -114,15 +118,50 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _add_product(b_sum, a, b, PRECISION: tl.constexpr):
+def _add_product(b_sum, a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """b_sum + a @ b. A tensor-core product that accumulates into b_sum truncates the sum at each
-    step; a split of float32 operands (3xTF32; Triton's bfloat16 parts) makes three or more such
-    steps a chunk, so its product is added in rounded float32."""
-    if PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6":
-        b_sum += tl.dot(a, b, input_precision=PRECISION)
+    step; a split of float32 operands (3xTF32, bfloat16 parts) makes three or more such steps a
+    chunk, so its product is added in rounded float32."""
+    if PRECISION == "tf32x3" or PRECISION == "bf16x3" or PRECISION == "bf16x6" or PRECISION == BF16X3_MANUAL:
+        b_sum += _dot(a, b, None, PRECISION, INTERPRETED)
     else:
-        b_sum = tl.dot(a, b, acc=b_sum, input_precision=PRECISION)
+        b_sum = _dot(a, b, b_sum, PRECISION, INTERPRETED)
     return b_sum
+
+
+#: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
+#: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
+#: bfloat16 products (the lo @ lo term is below float32's rounding). The arithmetic of Triton's
+#: "bf16x3", with the split written out in the kernel. No PyTorch setting selects it:
+#: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate for "highest".
+BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
+
+
+@triton.jit
+def _bfloat16_parts(x, INTERPRETED: tl.constexpr):
+    """(hi, lo) of float32 x, both bfloat16 values: hi = x rounded, lo = (x - hi) rounded. Under
+    the interpreter they stay float32 tensors (its ``tl.dot`` multiplies bfloat16 bit patterns)."""
+    hi = _rounded(x, tl.bfloat16, INTERPRETED)
+    lo = _rounded(x - hi.to(tl.float32), tl.bfloat16, INTERPRETED)
+    if INTERPRETED:
+        hi = hi.to(tl.float32)
+        lo = lo.to(tl.float32)
+    return hi, lo
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b (acc None: a @ b) in float32, with PRECISION the ``input_precision`` of
+    float32 operands, or BF16X3_MANUAL (see there), smallest terms first."""
+    if PRECISION == BF16X3_MANUAL:
+        a_hi, a_lo = _bfloat16_parts(a.to(tl.float32), INTERPRETED)
+        b_hi, b_lo = _bfloat16_parts(b.to(tl.float32), INTERPRETED)
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+    return acc
 
 
 #: Columns of the block that carries the normaliser's key sum: the narrowest ``tl.dot`` operand.
@@ -492,10 +531,11 @@ def _normalized_chunk_sum(b_sum, b_z, b_k, b_v, grad_denominator_ptr, denominato
     if NORMALIZER_GRADIENT:
         b_g, b_grad_denominator = _normalizer_gradients(b_v, grad_denominator_ptr, denominator_ptr, offs_t, mask_t,
                                                         MIXED_DTYPE, MIXED_DOT_DTYPE, INTERPRETED)
-        b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION)
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_g, FLOAT32_PRECISION,
+                             INTERPRETED)
         b_z += tl.sum(b_grad_denominator[:, None] * b_k.to(tl.float32), 0)
     else:
-        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+        b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION, INTERPRETED)
         b_z += tl.sum(b_k.to(tl.float32), 0)
     return b_sum, b_z
 
@@ -586,7 +626,7 @@ def scan_summaries_kernel(
                 mask_t, NORMALIZER_GRADIENT, FEATURE_MAP, FLOAT32_PRECISION,
                 INTERPRETED)
         else:
-            b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+            b_sum = _add_product(b_sum, tl.trans(b_k).to(DOT_DTYPE), b_v.to(DOT_DTYPE), FLOAT32_PRECISION, INTERPRETED)
 
     state_width = _slot_width(E, NORMALIZE)
     states_ptr += bh.to(tl.int64) * n_segments * D * state_width
@@ -800,14 +840,14 @@ def scan_outputs_kernel(
             b_k = _features(b_k, mask_t[:, None] & mask_d[None, :], FEATURE_MAP, INTERPRETED)
 
             b_kt = tl.trans(b_k).to(DOT_DTYPE)
-            b_scores = tl.dot(b_q.to(DOT_DTYPE), b_kt, input_precision=FLOAT32_PRECISION)
+            b_scores = _dot(b_q.to(DOT_DTYPE), b_kt, None, FLOAT32_PRECISION, INTERPRETED)
             b_scores = tl.where(causal, b_scores, 0.0)
-            b_o = tl.dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
-                         _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                         input_precision=FLOAT32_PRECISION)
-            b_o = tl.dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                         b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), acc=b_o, input_precision=FLOAT32_PRECISION)
-            b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION)
+            b_o = _dot(b_q.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE),
+                       _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                       None, FLOAT32_PRECISION, INTERPRETED)
+            b_o = _dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                       b_v.to(MIXED_DTYPE).to(MIXED_DOT_DTYPE), b_o, FLOAT32_PRECISION, INTERPRETED)
+            b_state = _add_product(b_state, b_kt, b_v.to(DOT_DTYPE), FLOAT32_PRECISION, INTERPRETED)
             b_seen += tl.sum(b_o * 0.0, 1)
             if NORMALIZE:
                 # d_t = rowsum of the unrounded masked scores + q_t . z_{c-1}, in float32; masked with
@@ -816,7 +856,7 @@ def scan_outputs_kernel(
                 b_denominator = tl.sum(b_scores, 1) + tl.sum(b_q.to(tl.float32) * b_z[None, :], 1) + eps
                 tl.store(denominator_base + offs_t, b_denominator, mask=offs_t < stored_tokens)
                 b_o = b_o / b_denominator[:, None]
-                b_key_sum = _add_product(b_key_sum, b_kt, b_units, FLOAT32_PRECISION)
+                b_key_sum = _add_product(b_key_sum, b_kt, b_units, FLOAT32_PRECISION, INTERPRETED)
             tl.store(o_base + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
                      _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED),
                      mask=mask_t[:, None] & mask_e[None, :])
@@ -1361,7 +1401,7 @@ def float32_precision():
 #: ran right on 8 warps under 3xTF32.)
 _TF32X3_8_WARPS_MIN_BLOCK = 32
 #: float32 products made of several tensor-core products each.
-_SPLIT_PRECISIONS = ("tf32x3", "bf16x3", "bf16x6")
+_SPLIT_PRECISIONS = ("tf32x3", "bf16x3", "bf16x6", "bf16x3_manual")
 
 
 def _default_blocks(D, E, dtype, precision="tf32x3"):
