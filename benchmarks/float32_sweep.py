@@ -349,7 +349,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="JSON file for every row and the environment")
     parser.add_argument("--no-peers", action="store_true", help="time neither fast-transformers nor fla")
     parser.add_argument("--products", default=DEFAULT_PRODUCTS,
-                        help="input_precision kinds of float32 products to time under 'highest', comma-separated "
+                        help="kinds of float32 products to time under 'highest', comma-separated "
                              f"(from {', '.join(HIGHEST_PRODUCTS)})")
     parser.add_argument("--candidates", default=None,
                         help="chunked configs to time instead of CANDIDATES, a JSON list of dicts with the keys "

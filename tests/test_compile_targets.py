@@ -139,7 +139,7 @@ def wrapper_calls(module):
     # float32 split into bfloat16 parts by the kernel files themselves (BF16X3_MANUAL), a candidate
     # for "highest" that benchmarks/float32_sweep.py times: plain and normalised.
     if hasattr(module, "BF16X3_MANUAL"):
-        for D, E in ((16, 16), (64, 64), (128, 128)):
+        for D, E in ((64, 64), (128, 128)):
             add(2, 3, 777, D, E, torch.float32, products="bf16x3_manual")
         if hasattr(module, "_run_normalized_validated"):
             add(2, 3, 777, 64, 64, torch.float32, normalized=True, products="bf16x3_manual")

@@ -295,7 +295,7 @@ def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, m
     module = {"chunked": chunked, "scan": scan}[family]
     config = {"SEGMENT_LEN": 64} if family == "scan" else None
     entry = getattr(module, f"{family}_causal_product")
-    q, k, v, s0 = random_inputs(1, 2, 165, 64, device=device, initial_state=True, requires_grad=True)
+    q, k, v, s0 = random_inputs(1, 2, 165, 64, device=device, seed=13, initial_state=True, requires_grad=True)
     grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
     _, _, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)
     ref_o, ref_state = reference(q, k, v, s0, device=device)
@@ -405,11 +405,16 @@ def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path):
     assert sweep.main(["--shapes", "1,1,40,16", "--settings", "highest", "--products", "tf32x3,bf16x3_manual",
                        "--candidates", json.dumps([{"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}]),
                        "--scan-candidates", json.dumps([{"num_warps": 4}]), "--no-peers", "--out", str(out)]) == 0
-    rows = [row for row in json.loads(out.read_text())["rows"] if row["products"] == "bf16x3_manual"]
-    assert {(row["impl"], row["mode"]) for row in rows if row["impl"] != "recurrent"} == {
-        (impl, mode) for impl in ("chunked", "scan") for mode in ("fwd", "fwd+bwd")}
-    for row in rows:
-        assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
+    rows = json.loads(out.read_text())["rows"]
+    split = {(row["impl"], row["mode"], json.dumps(row["config"])): row for row in rows
+             if row["products"] == "bf16x3_manual" and row["impl"] != "recurrent"}
+    assert {key[:2] for key in split} == {(impl, mode) for impl in ("chunked", "scan") for mode in ("fwd", "fwd+bwd")}
+    three_tf32 = {(row["impl"], row["mode"], json.dumps(row["config"])): row["rel_err"] for row in rows
+                  if row["products"] == "tf32x3"}
+    for key, row in split.items():
+        # The split's 16 significand bits err more than 3xTF32's on the same inputs: the rows were
+        # made by the split, not by the kernels' default products.
+        assert row["ms"] is not None and 3 * three_tf32[key] < row["rel_err"] <= TOLERANCES[torch.float32], row
     if ttx_tutorial.INTERPRETED:
         with pytest.raises(SystemExit):
             sweep.main(["--shapes", "1,1,17,16", "--products", "bf16x3"])

@@ -43,9 +43,9 @@ features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each 
 product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
 adds it with a Kahan carry.
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
-against float64 under the interpreter), is a candidate that ``benchmarks/float32_sweep.py
---products`` times; no setting selects it. Compiled for sm_80 and sm_90 with Triton 3.9; not
-yet run on a GPU.
+against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it.
+Compiled for sm_80 and sm_90 with Triton 3.9; not yet run on a GPU.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
 "tf32x3" and "tf32" and the token-by-token walks below included).
@@ -95,9 +95,11 @@ def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.
 
 #: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
 #: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
-#: bfloat16 products (the lo @ lo term is below float32's rounding). The arithmetic of Triton's
-#: "bf16x3", with the split written out in the kernel. No PyTorch setting selects it:
-#: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate for "highest".
+#: bfloat16 products. lo @ lo, about 2**-16 of the product, is left out, as Triton's "bf16x3"
+#: leaves it out: the plain product errs by about 6e-6 against float64, within float32's 1e-5,
+#: but the normalised attention's dq, whose terms cancel, by about 7e-5. No PyTorch setting
+#: selects it: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate
+#: for the plain product under "highest".
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -116,7 +118,7 @@ def _bfloat16_parts(x, INTERPRETED: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc + a @ b (acc None: a @ b) in float32, with PRECISION the ``input_precision`` of
-    float32 operands, or BF16X3_MANUAL (see there), smallest terms first."""
+    float32 operands, or BF16X3_MANUAL (see there): the small parts' products, then the large one."""
     if PRECISION == BF16X3_MANUAL:
         a_hi, a_lo = _bfloat16_parts(a.to(tl.float32), INTERPRETED)
         b_hi, b_lo = _bfloat16_parts(b.to(tl.float32), INTERPRETED)
@@ -607,7 +609,7 @@ def chunked_kernel(
     CHUNK: tl.constexpr,            # tokens per chunk
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
     COMPENSATED: tl.constexpr,      # long sequences: the state summed with a carry
-    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3", "tf32" or a split (see _dot)
     IS_VARLEN: tl.constexpr,        # q, k, v, o hold B sequences packed in one row (see the header)
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only)
 ):
@@ -996,7 +998,8 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
                    precision="tf32x3"):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
     and the GPU's multiprocessors and shared memory (None: unknown); for float32 inputs,
-    ``precision`` is their products' ("tf32x3" or "tf32", ``float32_precision()``).
+    ``precision`` is their products' (``float32_precision()``: "tf32x3" or "tf32"; a split takes
+    3xTF32's tiles).
 
     Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
     BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.

@@ -63,9 +63,9 @@ about float32's accuracy) for "highest", the default, TF32 for "high" and "mediu
 tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
 float16 keeps them in float32 (TF32 products).
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
-against float64 under the interpreter), is a candidate that ``benchmarks/float32_sweep.py
---products`` times; no setting selects it. Compiled for sm_80 and sm_90 with Triton 3.9; not
-yet run on a GPU.
+against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it.
+Compiled for sm_80 and sm_90 with Triton 3.9; not yet run on a GPU.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel``,
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
@@ -131,9 +131,11 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr
 
 #: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
 #: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
-#: bfloat16 products (the lo @ lo term is below float32's rounding). The arithmetic of Triton's
-#: "bf16x3", with the split written out in the kernel. No PyTorch setting selects it:
-#: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate for "highest".
+#: bfloat16 products. lo @ lo, about 2**-16 of the product, is left out, as Triton's "bf16x3"
+#: leaves it out: the plain product errs by about 6e-6 against float64, within float32's 1e-5,
+#: but the normalised attention's dq, whose terms cancel, by about 7e-5. No PyTorch setting
+#: selects it: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate
+#: for the plain product under "highest".
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -152,7 +154,7 @@ def _bfloat16_parts(x, INTERPRETED: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc + a @ b (acc None: a @ b) in float32, with PRECISION the ``input_precision`` of
-    float32 operands, or BF16X3_MANUAL (see there), smallest terms first."""
+    float32 operands, or BF16X3_MANUAL (see there): the small parts' products, then the large one."""
     if PRECISION == BF16X3_MANUAL:
         a_hi, a_lo = _bfloat16_parts(a.to(tl.float32), INTERPRETED)
         b_hi, b_lo = _bfloat16_parts(b.to(tl.float32), INTERPRETED)
@@ -568,7 +570,7 @@ def scan_summaries_kernel(
     BLOCK_E: tl.constexpr,          # the value columns this program owns
     CHUNK: tl.constexpr,            # tokens per tensor-core tile
     INTERPRETED: tl.constexpr,      # True only under the CPU interpreter (see the header)
-    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3", "tf32" or a split (see _dot)
     IS_VARLEN: tl.constexpr,        # k, v hold sequences packed along T of one row (see _segment_table)
     NORMALIZE: tl.constexpr,        # column E of the states, z, sums the keys k (S_0: E + 1 columns)
     NORMALIZER_GRADIENT: tl.constexpr,  # k, v are q, dO of the normalised forward (with NORMALIZE):
@@ -745,7 +747,7 @@ def scan_outputs_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3" or "tf32" (chosen on the host)
+    FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3", "tf32" or a split (see _dot)
     IS_VARLEN: tl.constexpr,
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only): states
                                     # of W = E + 1 columns, z (the keys' sum) in column E
