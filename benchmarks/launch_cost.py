@@ -94,7 +94,7 @@ def replay_rows(q, k, v, state, *, configs):
                 rows[f"step, BLOCK_E {block_e}, {num_warps} warps"] = (
                     lambda grid=grid, block_e=block_e, num_warps=num_warps: step.step_kernel[grid](
                         *arguments, FEATURE_MAP="elu", NORMALIZE=True, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                        BLOCK_E=block_e, D_BLOCKS=1, num_warps=num_warps))
+                        BLOCK_E=block_e, D_BLOCKS=1, INTERPRETED=False, num_warps=num_warps))
     results = {}
     for name, fn in rows.items():
         for repeats in (1, 20):
@@ -129,7 +129,7 @@ def main(argv=None):
     arrivals = step._arrivals(state, B * H)
     arguments = [q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), 1e-6]
     constants = {"FEATURE_MAP": "elu", "NORMALIZE": True, "BLOCK_D": block_d, "BLOCK_E": block_e,
-                 "D_BLOCKS": d_blocks}
+                 "D_BLOCKS": d_blocks, "INTERPRETED": False}
 
     def jit():
         return step.step_kernel[grid](*arguments, **constants, num_warps=num_warps)

@@ -36,6 +36,18 @@ from torch.autograd.function import once_differentiable
 
 
 @triton.jit
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(DTYPE), rounded to nearest even as on a GPU. The interpreter truncates float32 to
+    bfloat16, so under it round the bit pattern first (half an ulp, ties to even, drop 16 bits)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def feature_map_kernel(
     q_ptr, k_ptr,              # inputs (B, H, T, D)
     phi_q_ptr, phi_k_ptr,      # outputs (B, H, T, D), the input dtype
@@ -47,6 +59,7 @@ def feature_map_kernel(
     FEATURE_MAP: tl.constexpr,  # "elu" or "relu"
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,      # >= D
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (see _rounded)
 ):
     """phi of one tile of q and of the same tile of k."""
     pid_bh = tl.program_id(1)
@@ -68,9 +81,9 @@ def feature_map_kernel(
         b_q = tl.where(b_q < 0, 0.0, b_q)
         b_k = tl.where(b_k < 0, 0.0, b_k)
     tl.store(phi_q_ptr + b * stride_pqb + h * stride_pqh + offs_t[:, None] * stride_pqt
-             + offs_d[None, :] * stride_pqd, b_q.to(phi_q_ptr.dtype.element_ty), mask=mask)
+             + offs_d[None, :] * stride_pqd, _rounded(b_q, phi_q_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     tl.store(phi_k_ptr + b * stride_pkb + h * stride_pkh + offs_t[:, None] * stride_pkt
-             + offs_d[None, :] * stride_pkd, b_k.to(phi_k_ptr.dtype.element_ty), mask=mask)
+             + offs_d[None, :] * stride_pkd, _rounded(b_k, phi_k_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -86,6 +99,7 @@ def feature_map_backward_kernel(
     FEATURE_MAP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """dq = dphi(q) * phi'(q) and dk likewise for one tile, phi' from the features."""
     pid_bh = tl.program_id(1)
@@ -110,8 +124,8 @@ def feature_map_backward_kernel(
     else:  # relu: phi' = 0 where phi <= 0, else 1
         b_gq = tl.where(b_phi_q <= 0, 0.0, b_gq)
         b_gk = tl.where(b_phi_k <= 0, 0.0, b_gk)
-    tl.store(dq_ptr + feature_q, b_gq.to(dq_ptr.dtype.element_ty), mask=mask)
-    tl.store(dk_ptr + feature_k, b_gk.to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dq_ptr + feature_q, _rounded(b_gq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(dk_ptr + feature_k, _rounded(b_gk, dk_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -141,11 +155,13 @@ def _launch(q, k, feature_map):
     phi_q, phi_k = torch.empty_like(q), torch.empty_like(k)
     if q.numel() == 0:
         return phi_q, phi_k
-    grid, block_t, block_d = _launch_plan(B, H, T, D, triton.knobs.runtime.interpret)
+    interpreted = triton.knobs.runtime.interpret
+    grid, block_t, block_d = _launch_plan(B, H, T, D, interpreted)
     with _launch_guard():
         feature_map_kernel[grid](
             q, k, phi_q, phi_k, H, T, D, *q.stride(), *k.stride(), *phi_q.stride(), *phi_k.stride(),
-            FEATURE_MAP=feature_map, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_NUM_WARPS)
+            FEATURE_MAP=feature_map, BLOCK_T=block_t, BLOCK_D=block_d, INTERPRETED=interpreted,
+            num_warps=_NUM_WARPS)
     return phi_q, phi_k
 
 
@@ -155,12 +171,13 @@ def _launch_backward(grad_phi_q, grad_phi_k, phi_q, phi_k, feature_map):
     dq, dk = torch.empty_like(phi_q), torch.empty_like(phi_k)
     if phi_q.numel() == 0:
         return dq, dk
-    grid, block_t, block_d = _launch_plan(B, H, T, D, triton.knobs.runtime.interpret)
+    interpreted = triton.knobs.runtime.interpret
+    grid, block_t, block_d = _launch_plan(B, H, T, D, interpreted)
     with _launch_guard():
         feature_map_backward_kernel[grid](
             grad_phi_q, grad_phi_k, phi_q, phi_k, dq, dk, H, T, D, *grad_phi_q.stride(), *grad_phi_k.stride(),
             *phi_q.stride(), *phi_k.stride(), FEATURE_MAP=feature_map, BLOCK_T=block_t, BLOCK_D=block_d,
-            num_warps=_NUM_WARPS)
+            INTERPRETED=interpreted, num_warps=_NUM_WARPS)
     return dq, dk
 
 

@@ -55,19 +55,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row):
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(DTYPE), rounded to nearest even as on a GPU. The interpreter truncates float32 to
+    bfloat16, so under it round the bit pattern first (half an ulp, ties to even, drop 16 bits)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, INTERPRETED: tl.constexpr):
     """One step of the walk: S += k v^T, o = S^T q (b_v: this token's [1, GROUPS, COLS] row)."""
     b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)  # [BLOCK_D, GROUPS, 1]
     b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
     b_state += b_k * b_v  # S_t = S_{t-1} + k_t v_t^T: an outer product, no reduction
     # o_t = S_t^T q_t: a sum over D; keep_dims keeps the state's layout for the store.
     b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True)
-    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    tl.store(o_row_ptr, _rounded(b_o, o_row_ptr.dtype.element_ty, INTERPRETED), mask=mask_row)
     return b_state
 
 
 @triton.jit
-def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, eps):
+def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, eps,
+                      INTERPRETED: tl.constexpr):
     """_token with the normaliser: z += k, o = S^T q / (q . z + eps); returns (S, z, d + eps).
     z is a [BLOCK_D, GROUPS, 1] tile in k's layout (every group holds the same z), and d + eps
     a [1, GROUPS, 1] row, all groups equal."""
@@ -77,13 +90,13 @@ def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_c
     b_z += b_k
     b_denominator = tl.sum(b_z * b_q, axis=0, keep_dims=True) + eps
     b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True) / b_denominator
-    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    tl.store(o_row_ptr, _rounded(b_o, o_row_ptr.dtype.element_ty, INTERPRETED), mask=mask_row)
     return b_state, b_z, b_denominator
 
 
 @triton.jit
 def _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr, r, mask_col, mask_row,
-                    NORMALIZER_GRADIENT: tl.constexpr):
+                    NORMALIZER_GRADIENT: tl.constexpr, INTERPRETED: tl.constexpr):
     """_token plus the denominator's term of a normalised backward walk, r = r_t this token's
     denominator gradient: the dq walk (1) sums the v rows (k_t: z_t) and adds r_t z_t; the dk walk
     (2) sums r_t times the v rows (q_t: dz_t) and adds dz_t."""
@@ -97,7 +110,7 @@ def _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr, r,
     else:
         b_row_sum += r * b_v
         b_o += b_row_sum
-    tl.store(o_row_ptr, b_o.to(o_row_ptr.dtype.element_ty), mask=mask_row)
+    tl.store(o_row_ptr, _rounded(b_o, o_row_ptr.dtype.element_ty, INTERPRETED), mask=mask_row)
     return b_state, b_row_sum
 
 
@@ -129,6 +142,7 @@ def recurrent_tokens_kernel(
     # 0, or a walk of the normalised backward (see the header), whose states have one row more,
     # row D (z_0, or G's z column): 1, dq, adds r_t z_t; 2, dk, adds G_z + sum of r_s q_s (s >= t)
     NORMALIZER_GRADIENT: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (see _rounded)
 ):
     """The tokens walk: one program per (batch, head, BLOCK_E value columns), one token a step."""
     # One flat grid, the value block varying fastest: the programs sharing one head's q and k run
@@ -220,15 +234,15 @@ def recurrent_tokens_kernel(
             if NORMALIZE:
                 b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr + j * step_q,
                                                                 k_col_ptr + j * step_k, b_v, o_row_ptr + j * step_o,
-                                                                mask_col, mask_row, eps)
+                                                                mask_col, mask_row, eps, INTERPRETED)
                 b_denominator_block = tl.where(offs_u[:, None, None] == j, b_denominator, b_denominator_block)
             elif NORMALIZER_GRADIENT != 0:
                 b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr + j * step_q, k_col_ptr + j * step_k,
                                                      b_v, o_row_ptr + j * step_o, tl.load(normalizer_ptr + j * direction),
-                                                     mask_col, mask_row, NORMALIZER_GRADIENT)
+                                                     mask_col, mask_row, NORMALIZER_GRADIENT, INTERPRETED)
             else:
                 b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
-                                 o_row_ptr + j * step_o, mask_col, mask_row)
+                                 o_row_ptr + j * step_o, mask_col, mask_row, INTERPRETED)
         q_col_ptr += UNROLL * step_q
         k_col_ptr += UNROLL * step_k
         v_row_ptr += UNROLL * step_v
@@ -243,15 +257,16 @@ def recurrent_tokens_kernel(
         b_v = tl.load(v_row_ptr, mask=mask_row, other=0.0).to(tl.float32)
         if NORMALIZE:
             b_state, b_z, b_denominator = _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
-                                                            mask_col, mask_row, eps)
+                                                            mask_col, mask_row, eps, INTERPRETED)
             tl.store(normalizer_ptr + offs_row * 0, b_denominator, mask=mask_denominator)
             normalizer_ptr += direction
         elif NORMALIZER_GRADIENT != 0:
             b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr, k_col_ptr, b_v, o_row_ptr,
-                                                 tl.load(normalizer_ptr), mask_col, mask_row, NORMALIZER_GRADIENT)
+                                                 tl.load(normalizer_ptr), mask_col, mask_row, NORMALIZER_GRADIENT,
+                                                 INTERPRETED)
             normalizer_ptr += direction
         else:
-            b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row)
+            b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, INTERPRETED)
         q_col_ptr += step_q
         k_col_ptr += step_k
         v_row_ptr += step_v
@@ -300,6 +315,7 @@ def recurrent_blocks_kernel(
     IS_VARLEN: tl.constexpr,  # as in recurrent_tokens_kernel
     NORMALIZE: tl.constexpr,  # as in recurrent_tokens_kernel; needs the whole key dimension (BLOCK_D >= D)
     NORMALIZER_GRADIENT: tl.constexpr,  # as in recurrent_tokens_kernel
+    INTERPRETED: tl.constexpr,  # as in recurrent_tokens_kernel
 ):
     """The same walk, BLOCK_T steps at a time: the states of a block come from one tl.cumsum."""
     # One flat grid: value block fastest, then key block, then (batch, head).
@@ -395,7 +411,8 @@ def recurrent_blocks_kernel(
                 b_row_sum += tl.sum(b_rv, axis=0)
             b_o += tl.where(pid_d == 0, b_term, 0.0)
             r_block_ptr += direction * BLOCK_T
-        tl.store(o_block_ptr, b_o.to(o_block_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_e[None, :])
+        tl.store(o_block_ptr, _rounded(b_o, o_block_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask_i[:, None] & mask_e[None, :])
         b_state += tl.sum(b_kv, axis=0)
         q_block_ptr += direction * BLOCK_T * stride_qt
         k_block_ptr += direction * BLOCK_T * stride_kt
@@ -655,7 +672,8 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
                 q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides, *normalizer,
                 BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
                 NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
-                NORMALIZER_GRADIENT=gradient_walk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                NORMALIZER_GRADIENT=gradient_walk, INTERPRETED=triton.knobs.runtime.interpret,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return o, final_state
     key_blocks = -(-D // cfg["BLOCK_D"])
@@ -669,7 +687,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
             parts.stride(0) if key_blocks > 1 else 0, *normalizer,
             BLOCK_D=cfg["BLOCK_D"], BLOCK_E=cfg["BLOCK_E"], BLOCK_T=cfg["BLOCK_T"], NUM_STAGES=cfg["num_stages"],
             IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, NORMALIZER_GRADIENT=gradient_walk,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            INTERPRETED=triton.knobs.runtime.interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if key_blocks > 1:
         # In float32, rounded once into o (torch.sum with a 16-bit out= would round each part).

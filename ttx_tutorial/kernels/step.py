@@ -52,6 +52,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x.to(DTYPE), rounded to nearest even as on a GPU. The interpreter truncates float32 to
+    bfloat16, so under it round the bit pattern first (half an ulp, ties to even, drop 16 bits)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def step_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # (B, H, D), (B, H, D), (B, H, E), (B, H, E) contiguous
     state_ptr,  # (B, H, D, E + NORMALIZE) float32, contiguous; updated in place
@@ -66,6 +78,7 @@ def step_kernel(
     BLOCK_D: tl.constexpr,  # state rows per iteration (power of two); at least D when NORMALIZE
     BLOCK_E: tl.constexpr,  # value columns per program (power of two)
     D_BLOCKS: tl.constexpr,  # iterations of the row loop, cdiv(D, BLOCK_D); the loop is unrolled
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (see _rounded)
 ):
     """Adds phi(k) v^T (and phi(k) to z) to one head's state in place; writes o for its value block."""
     # One flat grid, value block fastest (as in the causal-product kernels).
@@ -120,7 +133,7 @@ def step_kernel(
     b_o = b_numerator
     if NORMALIZE:
         b_o = b_numerator / (tl.sum(b_denominator, axis=0) + eps)
-    tl.store(o_ptr + pid_bh * E + offs_e, b_o.to(o_ptr.dtype.element_ty), mask=mask_e)
+    tl.store(o_ptr + pid_bh * E + offs_e, _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_e)
     if NORMALIZE:
         offs_d = tl.arange(0, BLOCK_D)
         z_ptr = state_head_ptr + offs_d.to(tl.int64) * state_cols + E
@@ -214,7 +227,7 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
         step_kernel[grid](
             q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d, BLOCK_E=block_e,
-            D_BLOCKS=d_blocks, num_warps=num_warps,
+            D_BLOCKS=d_blocks, INTERPRETED=triton.knobs.runtime.interpret, num_warps=num_warps,
         )
     return o
 

@@ -1,0 +1,85 @@
+"""bfloat16 outputs are rounded to nearest (ties to even), as a GPU rounds them, in both device
+modes. Triton's interpreter truncates float32 to bfloat16 by itself, which errs by up to a whole
+unit in the last place where rounding errs by half, and so makes CPU-mode results coarser than
+the GPU's; each kernel file rounds the bit pattern itself under it.
+
+Checked where a kernel computes in float32 and rounds once, at the store: the recurrent walks,
+the generation step and the feature maps. (The chunked and scan kernels round bfloat16 tiles for
+their tensor-core products as well, so their outputs are not float64's rounding.) Each check
+compares with the float64 result rounded to nearest by PyTorch. float32 arithmetic moves a few
+results that lie near the middle between two bfloat16 values to the other one, so almost all
+elements, not all, must match, and every element must lie within one unit; truncation misses
+about half of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ttx_tutorial
+from ttx_tutorial.kernels import feature_map, recurrent
+from ttx_tutorial.testing import random_inputs
+
+#: The share of elements that must equal float64's value rounded to nearest.
+MATCHING_SHARE = 0.95
+
+
+def check_rounded_to_nearest(result, exact, label):
+    assert result.dtype == torch.bfloat16
+    nearest = exact.to(torch.bfloat16)
+    result, nearest = result.cpu(), nearest.cpu()
+    share = (result == nearest).double().mean().item()
+    assert share >= MATCHING_SHARE, f"{label}: {share:.1%} of elements equal float64's rounding to nearest"
+    # Within one unit in the last place: bfloat16 keeps 8 significant bits.
+    unit = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.abs()).exponent - 8)
+    assert ((result.double() - exact).abs() <= unit).all(), f"{label}: an element is more than a unit off"
+
+
+@pytest.mark.parametrize("walk", ["tokens", "blocks"])
+def test_recurrent_product_rounds_to_nearest(walk):
+    q, k, v = random_inputs(2, 3, 40, 16, 24, dtype=torch.bfloat16)
+    o, _ = recurrent.recurrent_causal_product(q, k, v, config={"WALK": walk})
+    scores = torch.einsum("bhtd,bhsd->bhts", q.double().cpu(), k.double().cpu()).tril()
+    exact = scores @ v.double().cpu()
+    check_rounded_to_nearest(o, exact, f"{walk} walk")
+
+
+@pytest.mark.parametrize("walk", ["tokens", "blocks"])
+def test_recurrent_normalised_attention_rounds_to_nearest(walk):
+    q, k, v = random_inputs(2, 3, 40, 16, 24, dtype=torch.bfloat16)
+    q, k = q.abs(), k.abs()
+    out, _ = recurrent.recurrent_normalized_attention(q, k, v, config={"WALK": walk})
+    scores = torch.einsum("bhtd,bhsd->bhts", q.double().cpu(), k.double().cpu()).tril()
+    exact = (scores @ v.double().cpu()) / (scores.sum(-1, keepdim=True) + 1e-6)
+    check_rounded_to_nearest(out, exact, f"{walk} walk")
+
+
+def test_step_rounds_to_nearest():
+    q, k, v = (x[:, :, 0] for x in random_inputs(8, 4, 1, 16, 24, dtype=torch.bfloat16))
+    state = torch.zeros(8, 4, 16, 24, device=q.device)
+    with torch.no_grad():
+        o = ttx_tutorial.linear_attention_step(q, k, v, state, feature_map="identity", normalize=False)
+    exact = (q.double() * k.double()).sum(-1, keepdim=True).cpu() * v.double().cpu()
+    check_rounded_to_nearest(o, exact, "step")
+
+
+@pytest.mark.parametrize("name", feature_map.FEATURE_MAPS)
+def test_feature_maps_and_their_gradients_round_to_nearest(name):
+    q, k, _ = random_inputs(2, 3, 40, 16, dtype=torch.bfloat16)
+    q, k = q * 4, k * 4  # phi(x) = x + 1 then needs all of bfloat16's bits and more
+    leaves = [x.clone().requires_grad_() for x in (q, k)]
+    phi_q, phi_k = feature_map._run_validated(*leaves, name)
+    exact_map = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu}[name]
+    for x, phi, label in ((q, phi_q, "phi(q)"), (k, phi_k, "phi(k)")):
+        check_rounded_to_nearest(phi, exact_map(x.double().cpu()), f"{name} {label}")
+    grad_q, grad_k = (torch.randn(q.shape).to(q.device, torch.bfloat16) * 3 for _ in range(2))
+    torch.autograd.backward((phi_q, phi_k), (grad_q, grad_k))
+    for x, phi, grad, leaf, label in ((q, phi_q, grad_q, leaves[0], "dq"), (k, phi_k, grad_k, leaves[1], "dk")):
+        x64 = x.double().cpu().requires_grad_()
+        (exact,) = torch.autograd.grad(exact_map(x64), x64, grad.double().cpu())
+        # The kernel takes phi' from the stored bfloat16 features (min(phi, 1) for elu).
+        if name == "elu":
+            exact = torch.where(phi.double().cpu() < 1, grad.double().cpu() * phi.double().cpu(), exact)
+        check_rounded_to_nearest(leaf.grad, exact, f"{name} {label}")
