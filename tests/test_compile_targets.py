@@ -31,6 +31,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -91,15 +92,13 @@ def wrapper_calls(module):
         def thunk():
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(matmul_precision)  # float32's products and rule
-            saved = dict(module.FLOAT32_PRECISIONS) if products else None
-            if products:  # products no setting selects (the sweep's candidates)
-                module.FLOAT32_PRECISIONS[matmul_precision] = products
+            # Products no setting selects (the sweep's candidates) replace the setting's for this call.
+            replaced = {matmul_precision: products} if products else {}
             try:
-                run()
+                with mock.patch.dict(module.FLOAT32_PRECISIONS, replaced):
+                    run()
             finally:
                 torch.set_float32_matmul_precision(before)
-                if products:
-                    module.FLOAT32_PRECISIONS.update(saved)
 
         def run():
             # Uninitialised memory: nothing runs, and filling gigabytes with zeros would cost seconds.
