@@ -24,6 +24,7 @@ CPU core). Triton's on-disk cache makes later runs fast.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -93,9 +94,10 @@ def wrapper_calls(module):
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(matmul_precision)  # float32's products and rule
             # Products no setting selects (the sweep's candidates) replace the setting's for this call.
-            replaced = {matmul_precision: products} if products else {}
+            replaced = (mock.patch.dict(module.FLOAT32_PRECISIONS, {matmul_precision: products}) if products
+                        else contextlib.nullcontext())
             try:
-                with mock.patch.dict(module.FLOAT32_PRECISIONS, replaced):
+                with replaced:
                     run()
             finally:
                 torch.set_float32_matmul_precision(before)
