@@ -7,7 +7,9 @@ time is the host's. Each row is the host time of one call in a loop of ``--calls
 never waits for the GPU (the best of five loops' means), peeling one layer at a time:
 
   api             ttx_tutorial.linear_attention_step(q, k, v, state)
-  step_update     kernels/step.py's entry: checks (cached per signature), plan, launch
+  api, jit path   the same with the kept launches off: every call through Triton's JIT path
+  step_update     kernels/step.py's entry: checks (cached per signature), plan, launch (after
+                  the first call, of the compiled kernel the JIT path returned: _KEPT_LAUNCHES)
   jit             step_kernel[grid](...): Triton's JIT path (binds and specialises the
                   arguments, finds the compiled kernel in its cache, then launches)
   compiled        the CompiledKernel the JIT path returned, called as kernel[grid](*args):
@@ -19,7 +21,9 @@ never waits for the GPU (the best of five loops' means), peeling one layer at a 
   torch.empty     the output's allocation alone
 
 The difference between rows says what a layer costs; "compiled" is the least a Triton launch
-costs on this host through Triton's own launcher.
+costs on this host through Triton's own launcher. A host's speed drifts within a run, so "api"
+and "api, jit path" are also timed in alternating loops (``--rounds``, 9 by default), whose
+median times and median ratio are the "kept against jit path" row.
 
 Then the GPU's side ("replay_us"): the median of ``triton.testing.do_bench`` on a CUDA-graph
 replay (the L2 cache emptied before each, as layer_check.py times the step), for the empty
@@ -32,6 +36,7 @@ a generation loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -54,17 +59,56 @@ def empty_kernel(a_ptr, b_ptr, c_ptr, d_ptr, e_ptr, f_ptr, n, POINTERS: tl.const
     pass
 
 
+class _KeepingNothing(dict):
+    """Stands in for ``step._KEPT_LAUNCHES``: every launch then takes Triton's JIT path."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@contextlib.contextmanager
+def kept_launches_off():
+    kept, step._KEPT_LAUNCHES = step._KEPT_LAUNCHES, _KeepingNothing()
+    try:
+        yield
+    finally:
+        step._KEPT_LAUNCHES = kept
+
+
+def through_the_jit_path(fn):
+    """``fn`` with the step's kept launches off."""
+    def call():
+        with kept_launches_off():
+            return fn()
+    return call
+
+
+def loop_us(fn, calls):
+    """Microseconds per call of ``fn`` in one loop of ``calls`` calls that does not wait for the GPU."""
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter_ns() - start) / calls / 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def paired_host_us(fn_a, fn_b, calls, rounds):
+    """(median us of a, median us of b, median of the rounds' ratios a / b), a and b timed in
+    alternating loops so that the host's drift reaches both alike."""
+    a_times, b_times = [], []
+    for _ in range(rounds):
+        a_times.append(loop_us(fn_a, calls))
+        with kept_launches_off():
+            b_times.append(loop_us(fn_b, calls))
+    ratios = sorted(a / b for a, b in zip(a_times, b_times))
+    return sorted(a_times)[rounds // 2], sorted(b_times)[rounds // 2], ratios[rounds // 2]
+
+
 def host_us(fn, calls):
-    """Microseconds per call of ``fn`` in a loop that does not wait for the GPU."""
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter_ns() - start) / calls / 1e3)
-        torch.cuda.synchronize()
-    return best
+    """Microseconds per call of ``fn`` in a loop that does not wait for the GPU, the best of five loops."""
+    return min(loop_us(fn, calls) for _ in range(5))
 
 
 def replay_us(fn, repeats=1):
@@ -114,6 +158,7 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-configs", action="store_true", help="skip the step's config sweep")
+    parser.add_argument("--rounds", type=int, default=9, help="alternating loops of api against its jit path")
     args = parser.parse_args(argv)
     if not ttx_tutorial.on_gpu():
         print("launch_cost.py times launches on a GPU; in CPU mode Triton's interpreter runs the kernels")
@@ -148,6 +193,7 @@ def main(argv=None):
 
     rows = {
         "api": lambda: ttx_tutorial.linear_attention_step(q, k, v, state),
+        "api, jit path": through_the_jit_path(lambda: ttx_tutorial.linear_attention_step(q, k, v, state)),
         "step_update": lambda: step.step_update(q, k, v, state),
         "jit": jit,
         "compiled": lambda: compiled_launch(*compiled_arguments),
@@ -171,6 +217,11 @@ def main(argv=None):
             print(f"{name:28s} {results[name]}", flush=True)
             continue
         print(f"{name:28s} {results[name]:8.1f} us", flush=True)
+    kept_us, jit_us, ratio = paired_host_us(rows["api"], rows["api"], args.calls, args.rounds)
+    results["kept against jit path"] = {"kept_us": kept_us, "jit_path_us": jit_us, "median_ratio": ratio,
+                                        "rounds": args.rounds}
+    print(f"{'kept against jit path':28s} {kept_us:8.1f} against {jit_us:.1f} us (median ratio {ratio:.3f}, "
+          f"{args.rounds} alternating rounds)", flush=True)
     replays = replay_rows(q, k, v, state, configs=not args.no_configs)
     if args.json:
         setting = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

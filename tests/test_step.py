@@ -275,3 +275,37 @@ def test_gpu_step_replays_from_a_cuda_graph_at_the_generation_shape():
             assert torch.equal(state, eager_state), f"state after replay {token}"
             assert_close(out, expected_out, torch.bfloat16, f"replay {token}")
             assert_close(state, expected_state, torch.float32, f"state after replay {token}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", [64, 128])  # one program a head; two, which count their arrivals
+def test_gpu_a_launch_seen_before_skips_the_jit_path_and_stays_correct(E, monkeypatch):
+    """The first call of a key goes through Triton's JIT path and keeps the compiled kernel;
+    later calls launch it directly. Inputs of a new key (a pointer off 16-byte alignment, other
+    strides, among them a stride of 2 that Triton compiles differently from 1) take the JIT path
+    once, and every call stays right."""
+    monkeypatch.setattr(step, "_KEPT_LAUNCHES", {})
+    jit_calls = 0
+    jit_run = step.step_kernel.run
+
+    def counted_run(*args, **kwargs):
+        nonlocal jit_calls
+        jit_calls += 1
+        return jit_run(*args, **kwargs)
+
+    monkeypatch.setattr(step.step_kernel, "run", counted_run)
+    q, k, v, state = token_inputs(8, 16, 64, E, torch.bfloat16, True, seed=5)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    transposed = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device).transpose(0, 1)
+    every_other = torch.empty(*q.shape[:2], 2 * q.shape[2], dtype=q.dtype, device=q.device)[..., ::2]
+    assert shifted.data_ptr() % 16 and every_other.stride(-1) == 2
+    for queries in (q, shifted, transposed.copy_(q), every_other.copy_(q)):
+        calls_before = jit_calls
+        for token in range(3):
+            expected_out, expected_state = step64(queries, k, v, state, FEATURES["elu"], True, 1e-6)
+            with torch.no_grad(), poisoned_allocations():
+                out = ttx_tutorial.linear_attention_step(queries, k, v, state)
+            assert_close(out, expected_out, torch.bfloat16, f"token {token}, strides {queries.stride()}")
+            assert_close(state, expected_state, torch.float32, f"state after token {token}")
+        assert jit_calls == calls_before + 1, "a known launch took the JIT path, or a new one did not"
+    assert len(step._KEPT_LAUNCHES) == 4

@@ -34,8 +34,9 @@ Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 
 one state, CUDA-graph replay).
 Caveats: the host's work for a call (checks, allocation, Triton's launcher) exceeds the GPU's:
 full checks run once per signature of the arguments, and only what can change between calls of
-one signature (the state's contiguity, autograd) every time; capture the step in a CUDA graph to
-remove the host. Threads holding copies of a state element must all read it before any writes
+one signature (the state's contiguity, autograd) every time; on the GPU the compiled kernel of a
+launch seen before is launched directly, without Triton's JIT path (``_KEPT_LAUNCHES``; NVIDIA
+GPUs only); capture the step in a CUDA graph to remove the host. Threads holding copies of a state element must all read it before any writes
 it (a barrier). Under the interpreter each call of a library ``@triton.jit`` function
 (``tl.sum``) re-patches triton.language, a large part of a CPU-mode step.
 """
@@ -223,13 +224,47 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
     # Without normalize, or with one program a head, the kernel never touches the counters: the
     # state stands in for them.
     arrivals = _arrivals(state, B * H) if normalize and grid[0] > B * H else state
-    with _launch_guard():
-        step_kernel[grid](
-            q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), eps,
-            FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d, BLOCK_E=block_e,
-            D_BLOCKS=d_blocks, INTERPRETED=triton.knobs.runtime.interpret, num_warps=num_warps,
-        )
+    q_strides, k_strides, v_strides = q.stride(), k.stride(), v.stride()
+    arguments = (q, k, v, o, state, arrivals, H, D, E, *q_strides, *k_strides, *v_strides, eps)
+    interpreted = triton.knobs.runtime.interpret
+    constants = (feature_map, normalize, block_d, block_e, d_blocks, interpreted)
+    if not q.is_cuda or interpreted or not _KEEPS_LAUNCHES or step_kernel.pre_run_hooks:
+        with _launch_guard():
+            step_kernel[grid](*arguments, FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d,
+                              BLOCK_E=block_e, D_BLOCKS=d_blocks, INTERPRETED=interpreted, num_warps=num_warps)
+        return o
+    compilation = triton.knobs.compilation
+    key = (torch.cuda.current_device(), q.shape, E, q.dtype, k.dtype, v.dtype, q_strides, k_strides,
+           v_strides, arrivals is state, constants, q.data_ptr() % 16, k.data_ptr() % 16,
+           v.data_ptr() % 16, o.data_ptr() % 16, state.data_ptr() % 16, arrivals.data_ptr() % 16,
+           triton.knobs.runtime.debug, compilation.instrumentation_mode,
+           getattr(compilation, "fpsan_homomorphic_casts", None))
+    launch = _KEPT_LAUNCHES.get(key)
+    if launch is not None:
+        launch(*arguments, *constants)
+        return o
+    kernel = step_kernel[grid](*arguments, FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d,
+                               BLOCK_E=block_e, D_BLOCKS=d_blocks, INTERPRETED=interpreted, num_warps=num_warps)
+    if isinstance(kernel, triton.compiler.CompiledKernel):  # not a future of an asynchronous compile
+        if len(_KEPT_LAUNCHES) >= _MAX_KEPT_LAUNCHES:
+            _KEPT_LAUNCHES.clear()
+        _KEPT_LAUNCHES[key] = kernel[(grid[0], 1, 1)]
     return o
+
+
+# The GPU's launches, kept per key. Triton's JIT path binds and specialises every argument and
+# looks the compiled kernel up at each call, which costs the host about as much as the launch
+# itself (benchmarks/launch_cost.py, rows "jit" and "compiled"); a generation loop makes the same
+# call token after token. The first call of a key goes through the JIT path, which returns the
+# compiled kernel; later calls launch that kernel directly. A key holds everything Triton
+# specialises an NVIDIA launch on (the current device; the tensors' dtypes and their addresses
+# modulo 16 bytes; the integer arguments' values; the debug and instrumentation settings) and
+# every constexpr, so the kept kernel is the one the JIT path would pick. AMD GPUs keep the JIT
+# path: Triton also specialises their pointers on the size of the memory behind them. So does a
+# kernel given pre-run hooks (``add_pre_run_hook``), which only the JIT path calls.
+_KEPT_LAUNCHES: dict = {}
+_MAX_KEPT_LAUNCHES = 256
+_KEEPS_LAUNCHES = torch.version.hip is None
 
 
 # Input checks, with the same wording as the causal-product kernel files.
