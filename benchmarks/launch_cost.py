@@ -7,7 +7,6 @@ time is the host's. Each row is the host time of one call in a loop of ``--calls
 never waits for the GPU (the best of five loops' means), peeling one layer at a time:
 
   api             ttx_tutorial.linear_attention_step(q, k, v, state)
-  api, jit path   the same with the kept launches off: every call through Triton's JIT path
   step_update     kernels/step.py's entry: checks (cached per signature), plan, launch (after
                   the first call, of the compiled kernel the JIT path returned: _KEPT_LAUNCHES)
   jit             step_kernel[grid](...): Triton's JIT path (binds and specialises the
@@ -22,8 +21,9 @@ never waits for the GPU (the best of five loops' means), peeling one layer at a 
 
 The difference between rows says what a layer costs; "compiled" is the least a Triton launch
 costs on this host through Triton's own launcher. A host's speed drifts within a run, so "api"
-and "api, jit path" are also timed in alternating loops (``--rounds``, 9 by default), whose
-median times and median ratio are the "kept against jit path" row.
+is also timed against itself with the kept launches off (every call through Triton's JIT path)
+in alternating loops (``--rounds``, 9 by default), whose median times and median ratio are the
+"kept against jit path" row.
 
 Then the GPU's side ("replay_us"): the median of ``triton.testing.do_bench`` on a CUDA-graph
 replay (the L2 cache emptied before each, as layer_check.py times the step), for the empty
@@ -75,14 +75,6 @@ def kept_launches_off():
         step._KEPT_LAUNCHES = kept
 
 
-def through_the_jit_path(fn):
-    """``fn`` with the step's kept launches off."""
-    def call():
-        with kept_launches_off():
-            return fn()
-    return call
-
-
 def loop_us(fn, calls):
     """Microseconds per call of ``fn`` in one loop of ``calls`` calls that does not wait for the GPU."""
     torch.cuda.synchronize()
@@ -94,14 +86,14 @@ def loop_us(fn, calls):
     return elapsed
 
 
-def paired_host_us(fn_a, fn_b, calls, rounds):
-    """(median us of a, median us of b, median of the rounds' ratios a / b), a and b timed in
-    alternating loops so that the host's drift reaches both alike."""
+def kept_against_jit_path_us(fn, calls, rounds):
+    """(median us of ``fn``, median us of ``fn`` with the kept launches off, median of the rounds'
+    ratios), the two timed in alternating loops so that the host's drift reaches both alike."""
     a_times, b_times = [], []
     for _ in range(rounds):
-        a_times.append(loop_us(fn_a, calls))
+        a_times.append(loop_us(fn, calls))
         with kept_launches_off():
-            b_times.append(loop_us(fn_b, calls))
+            b_times.append(loop_us(fn, calls))
     ratios = sorted(a / b for a, b in zip(a_times, b_times))
     return sorted(a_times)[rounds // 2], sorted(b_times)[rounds // 2], ratios[rounds // 2]
 
@@ -193,7 +185,6 @@ def main(argv=None):
 
     rows = {
         "api": lambda: ttx_tutorial.linear_attention_step(q, k, v, state),
-        "api, jit path": through_the_jit_path(lambda: ttx_tutorial.linear_attention_step(q, k, v, state)),
         "step_update": lambda: step.step_update(q, k, v, state),
         "jit": jit,
         "compiled": lambda: compiled_launch(*compiled_arguments),
@@ -217,7 +208,7 @@ def main(argv=None):
             print(f"{name:28s} {results[name]}", flush=True)
             continue
         print(f"{name:28s} {results[name]:8.1f} us", flush=True)
-    kept_us, jit_us, ratio = paired_host_us(rows["api"], rows["api"], args.calls, args.rounds)
+    kept_us, jit_us, ratio = kept_against_jit_path_us(rows["api"], args.calls, args.rounds)
     results["kept against jit path"] = {"kept_us": kept_us, "jit_path_us": jit_us, "median_ratio": ratio,
                                         "rounds": args.rounds}
     print(f"{'kept against jit path':28s} {kept_us:8.1f} against {jit_us:.1f} us (median ratio {ratio:.3f}, "
