@@ -126,6 +126,32 @@ def test_wrong_attempt_gets_its_diagnosis(name, attempt, replacements, words):
     assert words in result.message, result.message
 
 
+#: Mistakes that only the interpreter's watched loads reveal (on a GPU, reads past an edge may fault
+#: or pass, and switched-off lanes may hold zeros): (exercise, attempt, replacements, words).
+WATCHED_LOAD_ATTEMPTS = [
+    ("small_dot", "loads_without_other", [(",\n                mask=mask_td, other=0.0)", ", mask=mask_td)"),
+                                          (",\n                mask=mask_te, other=0.0)", ", mask=mask_te)")],
+     "without `other=`"),
+    ("small_dot", "masks_on_tokens_only", [("mask_td = (offs_t[:, None] < T) & (offs_d[None, :] < D)",
+                                            "mask_td = offs_t[:, None] < T")], "past the edge of an input"),
+    ("scan", "load_unmasked", [(", mask=mask, other=0.0)", ")")], "past the edge of an input"),
+    ("scan", "rows_not_offset", [("seq * stride_sh + row * stride_sd\n", "seq * stride_sh\n"), ("row * stride_od + ", "")], "row d 1, 2, 3"),
+    ("scan", "suffix_sums", [("tl.cumsum(block, axis=0) - block", "tl.sum(block, axis=0)[None, :] - tl.cumsum(block, axis=0)")],
+     "runs the wrong way"),
+]
+
+
+@pytest.mark.parametrize("name, attempt, replacements, words", [pytest.param(*a, id=f"{a[0]}-{a[1]}")
+                                                                 for a in WATCHED_LOAD_ATTEMPTS])
+def test_interpreter_watches_loads_and_names_the_slices(name, attempt, replacements, words):
+    if attempt in ("loads_without_other", "masks_on_tokens_only", "load_unmasked") and not ttx_tutorial.INTERPRETED:
+        pytest.skip("loads are watched under the interpreter only")
+    stem, check, _ = EXERCISES[name]
+    result = check(exercise_namespace(stem, replacements))
+    assert not result.passed
+    assert words in result.message, result.message
+
+
 def test_kernel_with_other_arguments_is_named(capsys):
     namespace = exercise_namespace("ex1_masked_kernel", [("stride_ot, stride_od,", "stride_o,")])
     result = exercises.check_feature_map(namespace["feature_map_kernel"])

@@ -6,21 +6,28 @@ A checker launches the student's kernel itself, on buffers it controls:
   the launch was never written, and a change in the allocation outside the output is a store
   past its edges (Triton's interpreter does not stop out-of-bounds stores, it just writes);
 * every input sits inside an allocation filled with NaN: a load that reads past an input's
-  edge brings NaN into the output instead of plausible numbers;
+  edge brings NaN into the output instead of plausible numbers. Under Triton's interpreter the
+  checker also watches every load (``watched_loads``): a lane that loads NaN read past an edge,
+  even where the output never uses it (on a GPU such a read can fault), and the lanes that a
+  mask switches off in a load without ``other=`` get NaN, as a GPU leaves them undefined (the
+  interpreter would give zeros, which would hide a missing ``other=0.0``);
 * inputs are fresh random numbers for every call, and some cases lay tensors out transposed,
   so a kernel that assumes contiguous rows fails there and only there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import triton
+import triton.language as tl
 
 from .. import _device
 from ..testing import TOLERANCES, relative_error
@@ -97,6 +104,74 @@ def outside_writes(allocation, tensor) -> int:
     return int((changed & ~inside).sum())
 
 
+# --------------------------------------------------------------------------- loads, watched
+
+class _LoadCounts:
+    """What the watched loads saw since the last ``check_output``."""
+
+    def __init__(self):
+        self.read_outside = 0  # active lanes that loaded NaN: a read past an input's edge
+        self.undefined = 0     # switched-off lanes of loads without other=, filled with NaN
+
+    def take(self):
+        counts = (self.read_outside, self.undefined)
+        self.read_outside = self.undefined = 0
+        return counts
+
+
+LOADS = _LoadCounts()
+_BFLOAT16_NAN = 0x7FC0  # the interpreter holds bfloat16 as its 16-bit patterns
+
+
+def _nan_lanes(values, dtype) -> np.ndarray:
+    if dtype == tl.bfloat16:
+        return (values.astype(np.uint16) & 0x7FFF) > 0x7F80
+    if np.issubdtype(values.dtype, np.floating):
+        return np.isnan(values)
+    return np.zeros(values.shape, dtype=bool)
+
+
+@contextlib.contextmanager
+def watched_loads():
+    """Under Triton's interpreter, count into ``LOADS`` the loads that read past an input's edge
+    and fill with NaN the lanes a mask switches off in loads without ``other=`` (see the module
+    docstring); on a GPU, nothing. Every load of the interpreter goes through its builder's
+    ``create_masked_load`` (unmasked ones with a mask of ones), in Triton 3.6 to 3.9."""
+    from triton.runtime import interpreter
+    builder = getattr(interpreter, "interpreter_builder", None)
+    original = getattr(builder, "create_masked_load", None)
+    if not _device.INTERPRETED or original is None:
+        yield
+        return
+    TensorHandle = interpreter.TensorHandle
+
+    def create_masked_load(ptrs, mask, other, *rest, **kwargs):
+        dtype = ptrs.get_element_ty()
+        active = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data))
+        if other is None and not active.all():
+            data = np.zeros(np.shape(ptrs.data), dtype=interpreter._get_np_dtype(dtype))
+            if dtype == tl.bfloat16:
+                data[...] = _BFLOAT16_NAN
+            elif np.issubdtype(data.dtype, np.floating):
+                data[...] = np.nan
+            if dtype == tl.bfloat16 or np.issubdtype(data.dtype, np.floating):
+                LOADS.undefined += int((~active).sum())
+            other = TensorHandle(data, dtype)
+        loaded = original(ptrs, mask, other, *rest, **kwargs)
+        LOADS.read_outside += int((_nan_lanes(np.asarray(loaded.data), dtype) & active).sum())
+        return loaded
+
+    own = "create_masked_load" in vars(builder)
+    builder.create_masked_load = create_masked_load
+    try:
+        yield
+    finally:
+        if own:
+            builder.create_masked_load = original
+        else:
+            del builder.create_masked_load
+
+
 # --------------------------------------------------------------------------- the student's code
 
 def blank_in(function) -> str | None:
@@ -154,19 +229,44 @@ class Case:
         return f"{sizes}, {str(self.dtype).replace('torch.', '')}{layout}"
 
 
-def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None):
+def _unwritten_slices(unwritten, dim_names):
+    """"row d 1, 2 (in every sequence, segment, column e)" when whole slices along one dimension
+    explain every unwritten element, else None (``dim_names``: one singular name a dimension)."""
+    for dim, name in enumerate(dim_names):
+        moved = unwritten.movedim(dim, 0).reshape(unwritten.shape[dim], -1)
+        whole = moved.all(dim=1)
+        if whole.any() and torch.equal(moved, whole[:, None].expand_as(moved)):
+            indices = whole.nonzero().flatten().tolist()
+            shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
+            others = ", ".join(n for n in dim_names if n != name)
+            return f"{name} {shown} (in every {others})"
+    return None
+
+
+def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None, dim_names=None):
     """The diagnoses that need no knowledge of the exercise: stores outside the output, unwritten
-    elements, NaN read from outside an input. Returns the relative error when none applies."""
+    elements, NaN read from outside an input. Returns the relative error when none applies.
+    ``dim_names``: a name for each dimension of ``out``, to say which slices were never written."""
     n_outside = outside_writes(allocation, out)
+    read_outside, undefined = LOADS.take()
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
         hint = (f" The last block has {out.shape[row_dim] % block} {row_name} of {block}: its store needs a "
                 f"mask such as `mask=offs < n`." if tail else " A store needs a mask.")
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
+    if read_outside:
+        raise Failure(f"loads read {read_outside} element(s) past the edge of an input ({case.describe()}): the "
+                      f"checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
+                      f"(on a GPU such a read can fault). Every load needs a mask that covers each dimension its "
+                      f"block can overrun, e.g. `mask=(offs_t[:, None] < T) & (offs_d[None, :] < D)`.")
     unwritten = out == UNWRITTEN
     if unwritten.all() and out.numel():
         raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "
                       f"does it store to another pointer?")
+    if unwritten.any() and dim_names is not None and _unwritten_slices(unwritten, dim_names):
+        raise Failure(f"part of the output was never written ({case.describe()}): "
+                      f"{_unwritten_slices(unwritten, dim_names)} still hold the checker's poison. Does every "
+                      f"program add its own offset (its program id times the stride) to the addresses?")
     if unwritten.any():
         rows = unwritten.movedim(row_dim, 0).reshape(out.shape[row_dim], -1).any(dim=1)
         missing = rows.nonzero().flatten().tolist()
@@ -177,6 +277,10 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                     f"too, with masked loads and stores.")
         raise Failure(f"part of the output was never written ({case.describe()}): {row_name} {shown} "
                       f"still hold the checker's poison.{hint}")
+    if torch.isnan(out).any() and undefined:
+        raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): it used lanes "
+                      f"that a mask switched off in a load without `other=`, whose values a GPU leaves undefined "
+                      f"(the checker fills them with NaN). Give such loads `other=0.0`.")
     if torch.isnan(out).any():
         raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): a load "
                       f"without a mask read past the edge of an input (the checker surrounds inputs with NaN). "

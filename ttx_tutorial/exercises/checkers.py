@@ -18,7 +18,7 @@ from ..testing import TOLERANCES, random_inputs, relative_error
 from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
                        dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,
                        next_power_of_2, precision_failure, report, require_arguments,
-                       sixteen_bit_error_bound, success)
+                       sixteen_bit_error_bound, success, LOADS, watched_loads)
 
 COMPILE_TARGETS = ("sm_80", "sm_90")
 
@@ -67,8 +67,10 @@ def _run_cases(exercise, cases, run_case, *, note=""):
     """Run each case; the first Failure (or a launch that raises) becomes the printed diagnosis."""
     passed = []
     for case in cases:
+        LOADS.take()  # counts of an earlier case's diagnosis runs
         try:
-            run_case(case, passed)
+            with watched_loads():
+                run_case(case, passed)
         except Failure as failure:
             return report(exercise, False, f"✗ {exercise}: {failure}", passed)
         except NotImplementedError:
@@ -91,7 +93,12 @@ def _guarded_output(shape, dtype, transposed):
     return guarded(shape, dtype, fill=UNWRITTEN, transposed=transposed)
 
 
-def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol):
+#: What changing the later rows of a sequence kernel's inputs and seeing earlier outputs change means.
+FUTURE_LEAK = ("changing tokens {cut}..{last} changed outputs before token {cut}: a future token leaks into the "
+               "past ({case}). Check the causal mask and the order of reading and updating the state.")
+
+
+def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol, leak=FUTURE_LEAK):
     """Why a sequence kernel's output is wrong: a known wrong variant, a future token leaking,
     wrong strides, 16-bit sums; else the error itself."""
     if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
@@ -113,9 +120,7 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             tensor[:, cut:] = torch.randn_like(tensor[:, cut:], dtype=torch.float32).to(tensor.dtype)
         again = rerun(changed_inputs)
         if not torch.equal(again[:, :cut], out[:, :cut]):
-            raise Failure(f"changing tokens {cut}..{T - 1} changed outputs before token {cut}: a future token "
-                          f"leaks into the past ({case.describe()}). Check the causal mask and the order of "
-                          f"reading and updating the state.")
+            raise Failure(leak.format(cut=cut, last=T - 1, case=case.describe()))
     reason = precision_failure(case, error, passed)
     if reason:
         raise Failure(reason)
@@ -123,7 +128,7 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
 
 
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
-                         uses_dot):
+                         uses_dot, row_name="tokens", dim_names=None, leak=FUTURE_LEAK):
     inputs = make_inputs(case)
 
     def guarded_inputs(values):
@@ -139,7 +144,8 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
     out, allocation = _guarded_output(out_shape(case), case.dtype, case.transposed)
     launch(guarded_inputs(inputs), out, case)
     ref = spec(**{name: t.double().cpu() for name, t in inputs.items()})
-    error = check_output(out, allocation, ref, case, row_dim=1, row_name="tokens", block=row_block)
+    error = check_output(out, allocation, ref, case, row_dim=1, row_name=row_name, block=row_block,
+                         dim_names=dim_names)
     tol = TOLERANCES[case.dtype]
     long_16bit = case.dtype != torch.float32 and out.shape[1] >= 256
     limit = min(tol, sixteen_bit_error_bound(ref, case.dtype)) if long_16bit else tol
@@ -148,7 +154,7 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
     if uses_dot and case.dtype == torch.float32 and not _device.INTERPRETED and error < 1e-2:
         raise Failure(f"relative error {error:.1e} in float32 ({case.describe()}): on NVIDIA GPUs tl.dot rounds "
                       f"float32 operands to TF32 unless told `input_precision=\"ieee\"`.")
-    _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol)
+    _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol, leak=leak)
 
 
 def _qkv(case):
@@ -202,17 +208,21 @@ def _precheck(exercise, kernel, expected, **functions):
     return None
 
 
-def _refusal(where, error_or_message) -> str:
-    """A GPU compiler's refusal in plain words, with the fix when it is about tl.dot's sizes."""
+def _refusal(where, error_or_message, culprits="") -> str:
+    """A GPU compiler's refusal in plain words, with the fix when it is about tl.dot's sizes
+    (``culprits``: which blocks are the too-short inner dimensions, when the caller knows)."""
     message = error_or_message if isinstance(error_or_message, str) else launch_error(error_or_message)
-    hint = (" tl.dot needs every dimension of its blocks to be at least 16: pad the blocks and mask the loads."
-            if ">= 16" in message else "")
+    hint = (" The inner dimension K of a tl.dot (the columns of its first block, the rows of its second) must "
+            f"be at least 16 for these operands{culprits}; M and N may be smaller. Pad such blocks to 16 and "
+            "mask the loads." if ">= 16" in message else "")
     return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
 
 
-def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes):
+def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
-    refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not."""
+    refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not.
+    ``inner_dimensions``: {block name: the product it is the inner dimension K of}, to name the
+    culprit of a refused size."""
     for constexprs in constexpr_sets:
         for dtype in pointer_dtypes:
             signature = {name: ("constexpr" if name in constexprs else
@@ -222,7 +232,11 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes):
                 result = compile_for_target(kernel, signature, constexprs, target=target)
                 if not result.ok:
                     blocks = ", ".join(f"{k}={v}" for k, v in constexprs.items())
-                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)}", result.message))
+                    short = [f"{name}={constexprs[name]} in {product}" for name, product in (inner_dimensions or {}).items()
+                             if constexprs.get(name, 16) < 16]
+                    culprits = f" (here {' and '.join(short)})" if short else ""
+                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)}", result.message,
+                                           culprits))
 
 
 # --------------------------------------------------------------------------- 1. feature map
@@ -334,7 +348,8 @@ def check_small_dot(kernel, block_sizes) -> CheckResult:
     def run_case(case, passed):
         _check_sequence_case(case, passed, **options)
         if case is cases[-1]:
-            _compile_failure(kernel, ONE_CHUNK_ARGS, list(chosen.values()), (torch.float16, torch.float32))
+            _compile_failure(kernel, ONE_CHUNK_ARGS, list(chosen.values()), (torch.float16, torch.float32),
+                             {"BLOCK_D": "q @ kᵀ", "BLOCK_T": "scores @ v"})
 
     return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
 
@@ -372,7 +387,8 @@ def check_chunked(kernel) -> CheckResult:
     def run_case(case, passed):
         _check_sequence_case(case, passed, **options)
         if case is cases[-1]:
-            _compile_failure(kernel, CHUNKED_ARGS, [_chunk_blocks(cases[0])], (torch.float16,))
+            _compile_failure(kernel, CHUNKED_ARGS, [_chunk_blocks(cases[0])], (torch.float16,),
+                             {"BLOCK_D": "q @ kᵀ and q @ S", "CHUNK": "scores @ v and kᵀ @ v"})
 
     return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
 
@@ -407,9 +423,12 @@ def check_scan(kernel) -> CheckResult:
         kernel[(s["BH"], s["D"])](states, out, s["S"], s["E"], *_stride_args(states, out),
                                   BLOCK_S=next_power_of_2(s["S"]), BLOCK_E=next_power_of_2(s["E"]))
 
+    leak = ("changing segments {cut}..{last} changed the states entering earlier segments ({case}): the sum "
+            "runs the wrong way. The state entering segment s sums segments 0..s-1 only: scan from segment 0 up.")
     options = dict(make_inputs=make_inputs, spec=exclusive_scan64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["S"], c.sizes["D"], c.sizes["E"]),
-                   launch=launch, uses_dot=False)
+                   launch=launch, uses_dot=False, row_name="segments", leak=leak,
+                   dim_names=("sequence", "segment", "row d", "column e"))
     cases = [Case({"BH": 2, "S": 8, "D": 4, "E": 16}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}),
              Case({"BH": 1, "S": 1, "D": 2, "E": 8}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}, transposed=True)]
     return _run_cases(exercise, cases, lambda case, passed: _check_sequence_case(case, passed, **options))
