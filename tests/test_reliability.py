@@ -1,7 +1,8 @@
 """No silent wrong answers: double backward, negative-bit views, non-finite values and causality,
 clear errors for bad configs and layouts, threads, and kernel files that check their own inputs.
 
-Each test here failed before its fix.
+Each test here failed before its fix, except the undefined-lanes test, which guards a property
+the kernels have (it fails when a load of chunked's keys drops its ``other=0.0``).
 """
 
 from __future__ import annotations
@@ -268,6 +269,43 @@ def test_non_finite_q_stays_in_its_own_output(method, device):
     ref_o, _ = expected_before(q, k, v)
     testing.assert_close(o[:, :, :LATE], ref_o, torch.float32, "o before the padding")
     assert torch.isnan(o[:, :, LATE:]).all()
+
+
+# --------------------------------------------------------------------------- undefined lanes
+
+def _results(method, normalized, q, k, v, s0, grad_o, grad_state):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+    if normalized:
+        outputs = (ttx_tutorial.causal_linear_attention(*leaves[:3], method=method),)
+        cotangents = (grad_o,)
+    else:
+        outputs = causal_product(*leaves[:3], method, initial_state=leaves[3], return_state=True)
+        cotangents = (grad_o, grad_state)
+    grads = torch.autograd.grad(outputs, leaves if not normalized else leaves[:3], cotangents)
+    return [x.detach() for x in (*outputs, *grads)]
+
+
+@pytest.mark.parametrize("normalized", [False, True], ids=["plain with S_0", "normalised elu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_lanes_a_mask_switches_off_never_reach_a_result(method, dtype, normalized):
+    """A GPU leaves the lanes of a masked load without ``other=`` undefined; the interpreter gives
+    zeros, which would hide a kernel that uses them. With those lanes filled with NaN (the exercise
+    checkers' watched loads), every output and gradient is bit for bit what it was without."""
+    if not ttx_tutorial.INTERPRETED:
+        pytest.skip("the interpreter's loads are watched; a GPU's undefined lanes cannot be set")
+    from ttx_tutorial.exercises._harness import LOADS, watched_loads
+
+    q, k, v, s0 = testing.random_inputs(1, 2, 21, 12, 20, dtype=dtype, initial_state=True)
+    grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
+    plain = _results(method, normalized, q, k, v, s0, grad_o, grad_state)
+    LOADS.take()
+    with watched_loads():
+        watched = _results(method, normalized, q, k, v, s0, grad_o, grad_state)
+    read_outside, _ = LOADS.take()
+    assert read_outside == 0, "a load read NaN: the inputs are finite, so it read past them"
+    for name, a, b in zip(("out", "S_T", "dq", "dk", "dv", "dS_0"), plain, watched):
+        assert torch.equal(a, b), f"{method} {name}: a switched-off lane reached the result"
 
 
 # --------------------------------------------------------------------------- clear errors
