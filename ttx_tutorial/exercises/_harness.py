@@ -252,13 +252,16 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
         hint = (f" The last block has {out.shape[row_dim] % block} {row_name} of {block}: its store needs a "
-                f"mask such as `mask=offs < n`." if tail else " A store needs a mask.")
+                f"mask on them, and on every other dimension its block can overrun (`offs < n`, combined with "
+                f"`&` for a 2-D block)." if tail else
+                " A store needs a mask on every dimension its block can overrun (`offs < n`, combined with `&` "
+                "for a 2-D block).")
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
         raise Failure(f"loads read {read_outside} element(s) past the edge of an input ({case.describe()}): the "
                       f"checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
-                      f"(on a GPU such a read can fault). Every load needs a mask that covers each dimension its "
-                      f"block can overrun, e.g. `mask=(offs_t[:, None] < T) & (offs_d[None, :] < D)`.")
+                      f"(on a GPU such a read can fault). Every load needs a mask on each dimension its block can "
+                      f"overrun (`offs < n`, combined with `&` for a 2-D block).")
     unwritten = out == UNWRITTEN
     if unwritten.all() and out.numel():
         raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "
@@ -275,6 +278,9 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         if block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
+        if not hint and case.dtype == torch.bfloat16 and _device.INTERPRETED:
+            hint = (" (Or they were written as inf: Triton's interpreter gets arithmetic on bfloat16 values "
+                    "wrong, so convert bfloat16 loads with `.to(tl.float32)` before any arithmetic.)")
         raise Failure(f"part of the output was never written ({case.describe()}): {row_name} {shown} "
                       f"still hold the checker's poison.{hint}")
     if torch.isnan(out).any() and undefined:

@@ -124,7 +124,11 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
     reason = precision_failure(case, error, passed)
     if reason:
         raise Failure(reason)
-    raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()}).")
+    hint = ""
+    if case.dtype == torch.float32 and 1e-4 < error < 2e-2:
+        hint = (" An error of this size in float32 usually means a value held in 16 bits somewhere: the state, "
+                "or a load or product converted to float16 or bfloat16.")
+    raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()}).{hint}")
 
 
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
