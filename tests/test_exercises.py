@@ -81,6 +81,13 @@ EXERCISES = {
            "        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n")],
          "future token leaks"),
         ("key_load_unmasked", [("stride_kd,\n                    mask=mask_td, other=0.0)", "stride_kd)")], "NaN"),
+        ("earlier_chunks_left_out", [("        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n", "")],
+         "the first 16 tokens are right"),
+        ("diagonal_masked_out_keeps_order", [("causal = offs_c[:, None] >= offs_c[None, :]",
+                                              "causal = offs_c[:, None] > offs_c[None, :]")], "`>=`"),
+        ("state_rounded_to_16_bits", [("state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")",
+                                       "state = (state + tl.dot(tl.trans(k), v, input_precision=\"ieee\"))"
+                                       ".to(q.dtype).to(tl.float32)")], "16 bits"),
     ]),
     "scan": ("ex5_scan_step", lambda ns: exercises.check_scan(ns["exclusive_scan_kernel"]), [
         ("inclusive_scan", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")], "inclusive scan"),

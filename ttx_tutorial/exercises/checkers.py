@@ -98,7 +98,8 @@ FUTURE_LEAK = ("changing tokens {cut}..{last} changed outputs before token {cut}
                "past ({case}). Check the causal mask and the order of reading and updating the state.")
 
 
-def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol, leak=FUTURE_LEAK):
+def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol, leak=FUTURE_LEAK,
+                        row_block=None):
     """Why a sequence kernel's output is wrong: a known wrong variant, a future token leaking,
     wrong strides, 16-bit sums; else the error itself."""
     if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
@@ -124,6 +125,12 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
     reason = precision_failure(case, error, passed)
     if reason:
         raise Failure(reason)
+    if row_block is not None and T > row_block:
+        first = relative_error(out[:, :row_block], right[:, :row_block])
+        if first <= tol:
+            raise Failure(f"the first {row_block} tokens are right, later ones wrong ({case.describe()}): what reaches "
+                          f"a chunk from the chunks before it (the state, and its product with q) is missing or "
+                          f"wrong. The state after a chunk must hold every earlier token's k_s v_sᵀ.")
     hint = ""
     if case.dtype == torch.float32 and 1e-4 < error < 2e-2:
         hint = (" An error of this size in float32 usually means a value held in 16 bits somewhere: the state, "
@@ -158,7 +165,8 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
     if uses_dot and case.dtype == torch.float32 and not _device.INTERPRETED and error < 1e-2:
         raise Failure(f"relative error {error:.1e} in float32 ({case.describe()}): on NVIDIA GPUs tl.dot rounds "
                       f"float32 operands to TF32 unless told `input_precision=\"ieee\"`.")
-    _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol, leak=leak)
+    _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol, leak=leak,
+                        row_block=row_block)
 
 
 def _qkv(case):
@@ -167,11 +175,11 @@ def _qkv(case):
     return {"q": q[0], "k": k[0], "v": v[0]}
 
 
-def _causal_variants():
+def _causal_variants(own_token="o_t must include k_t v_tᵀ, so update the state before reading it (or keep the "
+                                "diagonal: s <= t)"):
     return [
         (lambda q, k, v: causal_product64(q, k, v, mask="strict"),
-         "each token's own contribution is missing: o_t must include k_t v_tᵀ, so update the state before "
-         "reading it (or keep the diagonal: s <= t)"),
+         f"each token's own contribution is missing: {own_token}"),
         (lambda q, k, v: causal_product64(q, k, v, mask="one_ahead"),
          "the next token leaks in: o_t may use tokens up to t only (off by one in the causal mask)"),
         (lambda q, k, v: causal_product64(q, k, v, mask="none"),
@@ -383,8 +391,10 @@ def check_chunked(kernel) -> CheckResult:
     if early is not None:
         return early
     bf16_ok = interpreter_bf16_dot_ok()
-    cases = [c for c in _sequence_cases(short_T=32, tail_T=37) if bf16_ok or c.dtype != torch.bfloat16]
-    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=CHUNK,
+    cases = [c for c in _sequence_cases(short_T=32, tail_T=37, long_T=2048) if bf16_ok or c.dtype != torch.bfloat16]
+    own_token = ("o_t must include k_t v_tᵀ: keep the diagonal of the chunk's causal mask (`>=`, s <= t); the "
+                 "state carries the earlier chunks only, so it is read before the chunk's update")
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token), row_block=CHUNK,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
                    launch=_launch_per_sequence(kernel, _chunk_blocks), uses_dot=True)
 
