@@ -81,23 +81,27 @@ def test_backward_matches_float64(shape, dtype, with_state):
         assert_close(x.grad, ref, dtype, name)
 
 
-#: The blocks walk with small blocks: several blocks and a partial last one at T = 7 and 33, and
-#: D > 16 split over key blocks whose float32 parts are added (on a GPU the rule picks this walk
-#: for few heads; the interpreter's rule never does).
-BLOCK_WALK = {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8}
+#: Each walk with small blocks, whichever the rule takes (on a GPU: the blocks walk for few heads,
+#: the tokens walk for many; the interpreter's rule: the blocks walk with whole heads). Blocks:
+#: several blocks and a partial last one at T = 7 and 33, and D > 16 split over key blocks whose
+#: float32 parts are added. Tokens: 32 value columns a program in 2 groups (several programs at
+#: E = 65), 4 tokens a step and a tail at T = 5, 7, 33.
+SMALL_WALKS = {"blocks": {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8},
+               "tokens": {"WALK": "tokens", "BLOCK_E": 32, "COLS": 16, "UNROLL": 4}}
 
 
+@pytest.mark.parametrize("walk", SMALL_WALKS)
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES + FORWARD_SHAPES[4:], ids=_shape_id)
-def test_block_walk_matches_float64(shape, dtype, with_state):
+def test_each_walk_matches_float64(shape, dtype, with_state, walk):
     q, k, v, s0 = random_inputs(*shape, dtype=dtype, seed=sum(shape) + 2, initial_state=True,
                                 requires_grad=True)
     s0 = s0 if with_state else None
     B, H, T, D, E = shape
     grad_o, grad_state = _upstream_gradients((B, H, T, E), (B, H, D, E), dtype, seed=T + 1)
     with poisoned_allocations():
-        o, final_state = recurrent.recurrent_causal_product(q, k, v, s0, config=BLOCK_WALK)
+        o, final_state = recurrent.recurrent_causal_product(q, k, v, s0, config=SMALL_WALKS[walk])
         torch.autograd.backward([o, final_state], [grad_o, grad_state])
     ref_o, ref_state = reference(q, k, v, s0)
     assert o.dtype == dtype

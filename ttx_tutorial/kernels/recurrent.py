@@ -556,15 +556,17 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
       (``_blocks_config``). A warp alone on its scheduler is then bound by the latency of each
       token's chain of dependent instructions, which the blocks walk's independent steps avoid;
       with more programs its extra arithmetic costs more than it saves.
-    * The interpreter runs programs one after another: there the tokens walk with large blocks
-      (fewer, larger programs) finishes soonest.
+    * The interpreter runs programs one after another, each step one NumPy operation on a whole
+      tile: there the blocks walk with whole key rows, up to 2048 / BLOCK_D value columns and 64
+      steps a block does the fewest steps (in CPU mode 5 to 30 times faster forward, and 3 to 8
+      times backward, than the tokens walk with whole heads; benchmarks/NOTES.md). Normalising,
+      it keeps these sizes.
     """
     block_d = _block_d(D)
     largest_e = triton.next_power_of_2(E)
     if multiprocessors is None:
-        block_e = min(largest_e, max(1, 2048 // block_d))  # at most 64 state floats per thread
-        return {"WALK": "tokens", "BLOCK_E": block_e, "COLS": block_e, "num_warps": 1, "UNROLL": 4,
-                "num_stages": 1}
+        return {"WALK": "blocks", "BLOCK_D": block_d, "BLOCK_E": min(largest_e, max(1, 2048 // block_d)),
+                "BLOCK_T": 64, "num_warps": 1, "num_stages": 1}
     tokens = _tokens_config(D, dtype)
     if B * H * triton.cdiv(E, tokens["BLOCK_E"]) < 3 * multiprocessors and block_d <= 64:
         return _blocks_config(D)
@@ -602,7 +604,7 @@ def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
     chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
-    if normalized and chosen["WALK"] == "blocks":
+    if normalized and chosen["WALK"] == "blocks" and multiprocessors is not None:
         chosen = _normalized_blocks_config(D, q.dtype)
     if config is None:
         return chosen
