@@ -112,7 +112,9 @@ def test_16_bit_inputs_take_the_fused_backward(method, dtype):
 SMALL_CONFIGS = {
     "chunked": [{"CHUNK": 16}],
     "scan": [{"CHUNK": 16, "SEGMENT_LEN": 16}, {"CHUNK": 16, "SEGMENT_LEN": 32}],
-    "recurrent": [{"WALK": "blocks", "BLOCK_D": 4, "BLOCK_E": 4, "BLOCK_T": 4}],  # D split in two
+    # D split in two; the tokens walk, which the interpreter's rule does not take, in small steps
+    "recurrent": [{"WALK": "blocks", "BLOCK_D": 4, "BLOCK_E": 4, "BLOCK_T": 4},
+                  {"WALK": "tokens", "BLOCK_E": 4, "COLS": 2, "UNROLL": 4}],
 }
 
 
