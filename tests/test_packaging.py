@@ -249,3 +249,20 @@ def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_s
     run_checked([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                  "--nbval-lax", f"--nbval-sanitize-with={ROOT / 'notebooks' / 'nbval_sanitize.cfg'}",
                  f"--rootdir={destination}", str(first)], cwd=outside, env=env)
+
+
+def test_notebooks_copy_out_of_this_installation(tmp_path):
+    """``python -m ttx_tutorial notebooks DEST`` from the installation the tests run in (an
+    editable install of the repository under make test, whose import finder does not map
+    ``ttx_tutorial.notebooks``): every notebook of the repository, byte for byte, and a second
+    copy refused without --overwrite."""
+    from ttx_tutorial.__main__ import main
+
+    repository = ROOT / "notebooks"
+    expected = sorted(str(p.relative_to(repository)) for p in repository.rglob("*.ipynb")
+                      if not any(part.startswith(".") for part in p.relative_to(repository).parts))
+    assert main(["notebooks", str(tmp_path)]) == 0
+    copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.ipynb"))
+    assert copied == expected
+    assert all((tmp_path / name).read_bytes() == (repository / name).read_bytes() for name in expected)
+    assert main(["notebooks", str(tmp_path)]) == 1

@@ -10,10 +10,23 @@ from importlib import resources
 from pathlib import Path
 
 
+def _notebook_root():
+    """The folder of the shipped notebooks: ``ttx_tutorial.notebooks`` in an installed wheel or
+    sdist; in an editable install of the repository (``pip install -e .``, ``make lab``), whose
+    import finder does not map that folder, the repository's own ``notebooks/``."""
+    try:
+        return resources.files("ttx_tutorial.notebooks")
+    except ModuleNotFoundError:
+        repository = Path(__file__).resolve().parents[1] / "notebooks"
+        if repository.is_dir():
+            return repository
+        raise FileNotFoundError("this installation of ttx_tutorial holds no notebooks") from None
+
+
 def notebook_files() -> list[str]:
     """Every notebook shipped with the package, as paths relative to its notebook folder
     (exercises and their solutions in their subfolders), sorted."""
-    root = resources.files("ttx_tutorial.notebooks")
+    root = _notebook_root()
     found: list[str] = []
 
     def walk(folder, prefix: str) -> None:
@@ -38,7 +51,7 @@ def copy_notebooks(destination: Path, *, overwrite: bool = False) -> list[Path]:
     if existing and not overwrite:
         raise FileExistsError(f"{len(existing)} notebook(s) already exist in {destination}, e.g. "
                               f"{existing[0]}; pass --overwrite to replace them")
-    root = resources.files("ttx_tutorial.notebooks")
+    root = _notebook_root()
     for name, target in zip(names, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
         shipped = root
