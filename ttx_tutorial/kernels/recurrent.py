@@ -557,10 +557,9 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
       token's chain of dependent instructions, which the blocks walk's independent steps avoid;
       with more programs its extra arithmetic costs more than it saves.
     * The interpreter runs programs one after another, each step one NumPy operation on a whole
-      tile: there the blocks walk with whole key rows, up to 2048 / BLOCK_D value columns and 64
-      steps a block does the fewest steps (in CPU mode 5 to 30 times faster forward, and 3 to 8
-      times backward, than the tokens walk with whole heads; benchmarks/NOTES.md). Normalising,
-      it keeps these sizes.
+      tile, so its time follows the number of steps: there the blocks walk with whole key rows,
+      up to 2048 / BLOCK_D value columns and 64 tokens a block, which takes the fewest
+      (benchmarks/NOTES.md times it against the tokens walk). Normalising, it keeps these sizes.
     """
     block_d = _block_d(D)
     largest_e = triton.next_power_of_2(E)
