@@ -148,15 +148,11 @@ def watched_loads():
     def create_masked_load(ptrs, mask, other, *rest, **kwargs):
         dtype = ptrs.get_element_ty()
         active = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data))
-        if other is None and not active.all():
-            data = np.zeros(np.shape(ptrs.data), dtype=interpreter._get_np_dtype(dtype))
-            if dtype == tl.bfloat16:
-                data[...] = _BFLOAT16_NAN
-            elif np.issubdtype(data.dtype, np.floating):
-                data[...] = np.nan
-            if dtype == tl.bfloat16 or np.issubdtype(data.dtype, np.floating):
-                LOADS.undefined += int((~active).sum())
-            other = TensorHandle(data, dtype)
+        np_dtype = interpreter._get_np_dtype(dtype)
+        poison = _BFLOAT16_NAN if dtype == tl.bfloat16 else np.nan if np.issubdtype(np_dtype, np.floating) else None
+        if other is None and poison is not None and not active.all():
+            other = TensorHandle(np.full(np.shape(ptrs.data), poison, dtype=np_dtype), dtype)
+            LOADS.undefined += int((~active).sum())
         loaded = original(ptrs, mask, other, *rest, **kwargs)
         LOADS.read_outside += int((_nan_lanes(np.asarray(loaded.data), dtype) & active).sum())
         return loaded

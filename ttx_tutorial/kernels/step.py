@@ -36,8 +36,8 @@ Caveats: the host's work for a call (checks, allocation, Triton's launcher) exce
 full checks run once per signature of the arguments, and only what can change between calls of
 one signature (the state's contiguity, autograd) every time; on the GPU the compiled kernel of a
 launch seen before is launched directly, without Triton's JIT path (``_KEPT_LAUNCHES``; NVIDIA
-GPUs only); capture the step in a CUDA graph to remove the host. Threads holding copies of a state element must all read it before any writes
-it (a barrier). Under the interpreter each call of a library ``@triton.jit`` function
+GPUs only); capture the step in a CUDA graph to remove the host. Threads holding copies of a
+state element must all read it before any writes it (a barrier). Under the interpreter each call of a library ``@triton.jit`` function
 (``tl.sum``) re-patches triton.language, a large part of a CPU-mode step.
 """
 
@@ -228,24 +228,24 @@ def _launch(q, k, v, state, feature_map, normalize, eps):
     arguments = (q, k, v, o, state, arrivals, H, D, E, *q_strides, *k_strides, *v_strides, eps)
     interpreted = triton.knobs.runtime.interpret
     constants = (feature_map, normalize, block_d, block_e, d_blocks, interpreted)
-    if not q.is_cuda or interpreted or not _KEEPS_LAUNCHES or step_kernel.pre_run_hooks:
-        with _launch_guard():
-            step_kernel[grid](*arguments, FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d,
-                              BLOCK_E=block_e, D_BLOCKS=d_blocks, INTERPRETED=interpreted, num_warps=num_warps)
-        return o
-    compilation = triton.knobs.compilation
-    key = (torch.cuda.current_device(), q.shape, E, q.dtype, k.dtype, v.dtype, q_strides, k_strides,
-           v_strides, arrivals is state, constants, q.data_ptr() % 16, k.data_ptr() % 16,
-           v.data_ptr() % 16, o.data_ptr() % 16, state.data_ptr() % 16, arrivals.data_ptr() % 16,
-           triton.knobs.runtime.debug, compilation.instrumentation_mode,
-           getattr(compilation, "fpsan_homomorphic_casts", None))
-    launch = _KEPT_LAUNCHES.get(key)
-    if launch is not None:
-        launch(*arguments, *constants)
-        return o
-    kernel = step_kernel[grid](*arguments, FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d,
-                               BLOCK_E=block_e, D_BLOCKS=d_blocks, INTERPRETED=interpreted, num_warps=num_warps)
-    if isinstance(kernel, triton.compiler.CompiledKernel):  # not a future of an asynchronous compile
+    key = None
+    if q.is_cuda and not interpreted and _KEEPS_LAUNCHES and not step_kernel.pre_run_hooks:
+        compilation = triton.knobs.compilation
+        key = (torch.cuda.current_device(), q.shape, E, q.dtype, k.dtype, v.dtype, q_strides, k_strides,
+               v_strides, arrivals is state, constants, q.data_ptr() % 16, k.data_ptr() % 16,
+               v.data_ptr() % 16, o.data_ptr() % 16, state.data_ptr() % 16, arrivals.data_ptr() % 16,
+               triton.knobs.runtime.debug, compilation.instrumentation_mode,
+               getattr(compilation, "fpsan_homomorphic_casts", None))
+        launch = _KEPT_LAUNCHES.get(key)
+        if launch is not None:
+            launch(*arguments, *constants)
+            return o
+    with _launch_guard():
+        kernel = step_kernel[grid](*arguments, FEATURE_MAP=feature_map, NORMALIZE=normalize, BLOCK_D=block_d,
+                                   BLOCK_E=block_e, D_BLOCKS=d_blocks, INTERPRETED=interpreted,
+                                   num_warps=num_warps)
+    # Kept unless this is the JIT path's own case, or a future of an asynchronous compile.
+    if key is not None and isinstance(kernel, triton.compiler.CompiledKernel):
         if len(_KEPT_LAUNCHES) >= _MAX_KEPT_LAUNCHES:
             _KEPT_LAUNCHES.clear()
         _KEPT_LAUNCHES[key] = kernel[(grid[0], 1, 1)]
