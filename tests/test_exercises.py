@@ -79,7 +79,16 @@ EXERCISES = {
            "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n",
            "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n"
            "        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n")],
-         "future token leaks"),
+         "counted twice"),
+        ("mask_left_out_inside_the_chunk", [("        scores = tl.where(causal, scores, 0.0)\n", "")],
+         "need the causal mask"),
+        ("mask_left_out_and_state_updated_before_use",
+         [("        scores = tl.where(causal, scores, 0.0)\n", ""),
+          ("        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n"
+           "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n",
+           "        state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")\n"
+           "        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n")],
+         "mask inside the chunk is missing, and the state already holds"),
         ("key_load_unmasked", [("stride_kd,\n                    mask=mask_td, other=0.0)", "stride_kd)")], "NaN"),
         ("earlier_chunks_left_out", [("        o += tl.dot(q, state.to(q.dtype), input_precision=\"ieee\")\n", "")],
          "the first 16 tokens are right"),
@@ -140,8 +149,11 @@ WATCHED_LOAD_ATTEMPTS = [
                                           (",\n                mask=mask_te, other=0.0)", ", mask=mask_te)")],
      "without `other=`"),
     ("small_dot", "masks_on_tokens_only", [("mask_td = (offs_t[:, None] < T) & (offs_d[None, :] < D)",
-                                            "mask_td = offs_t[:, None] < T")], "past the edge of an input"),
-    ("scan", "load_unmasked", [(", mask=mask, other=0.0)", ")")], "past the edge of an input"),
+                                            "mask_td = offs_t[:, None] < T")], "k_ptr: 8 past its last element"),
+    ("scan", "load_unmasked", [(", mask=mask, other=0.0)", ")")], "edge of an input (states_ptr: 300 past its last"),
+    ("scan", "previous_segment_loaded_at_segment_0", [("+ offs_s[:, None] * stride_ss + offs_e", "+ (offs_s[:, None] - 1) * stride_ss + offs_e"),
+                                                      ("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")],
+     "states_ptr: 64 before its first element"),
     ("scan", "rows_not_offset", [("seq * stride_sh + row * stride_sd\n", "seq * stride_sh\n"), ("row * stride_od + ", "")], "row d 1, 2, 3"),
     ("scan", "suffix_sums", [("tl.cumsum(block, axis=0) - block", "tl.sum(block, axis=0)[None, :] - tl.cumsum(block, axis=0)")],
      "runs the wrong way"),
@@ -151,7 +163,8 @@ WATCHED_LOAD_ATTEMPTS = [
 @pytest.mark.parametrize("name, attempt, replacements, words", [pytest.param(*a, id=f"{a[0]}-{a[1]}")
                                                                  for a in WATCHED_LOAD_ATTEMPTS])
 def test_interpreter_watches_loads_and_names_the_slices(name, attempt, replacements, words):
-    if attempt in ("loads_without_other", "masks_on_tokens_only", "load_unmasked") and not ttx_tutorial.INTERPRETED:
+    if attempt in ("loads_without_other", "masks_on_tokens_only", "load_unmasked",
+                   "previous_segment_loaded_at_segment_0") and not ttx_tutorial.INTERPRETED:
         pytest.skip("loads are watched under the interpreter only")
     stem, check, _ = EXERCISES[name]
     result = check(exercise_namespace(stem, replacements))

@@ -8,7 +8,8 @@ A checker launches the student's kernel itself, on buffers it controls:
 * every input sits inside an allocation filled with NaN: a load that reads past an input's
   edge brings NaN into the output instead of plausible numbers. Under Triton's interpreter the
   checker also watches every load (``watched_loads``): a lane that loads NaN read past an edge,
-  even where the output never uses it (on a GPU such a read can fault), and the lanes that a
+  even where the output never uses it (on a GPU such a read can fault), and its address says
+  which input (by the kernel's pointer argument) and which end of it; the lanes that a
   mask switches off in a load without ``other=`` get NaN, as a GPU leaves them undefined (the
   interpreter would give zeros, which would hide a missing ``other=0.0``);
 * inputs are fresh random numbers for every call, and some cases lay tensors out transposed,
@@ -88,10 +89,13 @@ def guarded(logical_shape, dtype, *, fill, transposed=False, device=None):
     return tensor, allocation
 
 
-def guarded_copy(values, *, transposed=False):
-    """``values`` copied into a NaN-guarded buffer (see :func:`guarded`)."""
-    tensor, _ = guarded(values.shape, values.dtype, fill=OUTSIDE_INPUT, transposed=transposed)
+def guarded_copy(values, *, transposed=False, name=None):
+    """``values`` copied into a NaN-guarded buffer (see :func:`guarded`). A ``name`` (the kernel's
+    pointer argument) lets the watched loads say which input a load overran."""
+    tensor, allocation = guarded(values.shape, values.dtype, fill=OUTSIDE_INPUT, transposed=transposed)
     tensor.copy_(values)
+    if name is not None:
+        LOADS.inputs.append((name, allocation, tensor))
     return tensor
 
 
@@ -112,11 +116,35 @@ class _LoadCounts:
     def __init__(self):
         self.read_outside = 0  # active lanes that loaded NaN: a read past an input's edge
         self.undefined = 0     # switched-off lanes of loads without other=, filled with NaN
+        self.inputs = []       # (pointer name, allocation, tensor) of the named guarded inputs
+        self.overruns = {}     # (pointer name, "before its first" or "past its last"): lanes
 
     def take(self):
+        """The counts since the last call; everything is cleared, the inputs' names too."""
         counts = (self.read_outside, self.undefined)
         self.read_outside = self.undefined = 0
+        self.inputs = []
+        self.overruns = {}
         return counts
+
+    def take_overruns(self) -> str:
+        """Which inputs the reads past an edge overran, in words ("" if none was named)."""
+        parts = [f"{name}: {count} {side} element" for (name, side), count in self.overruns.items()]
+        self.overruns = {}
+        return "; ".join(parts)
+
+    def count_overruns(self, addresses):
+        """Attribute the addresses of lanes that loaded guard NaN to the named inputs."""
+        for name, allocation, tensor in self.inputs:
+            size = allocation.element_size()
+            start = allocation.data_ptr()
+            inside = (addresses >= start) & (addresses < start + allocation.numel() * size)
+            if inside.any():
+                before = int((addresses[inside] < tensor.data_ptr()).sum())
+                for side, count in (("before its first", before), ("past its last", int(inside.sum()) - before)):
+                    if count:
+                        key = (name, side)
+                        self.overruns[key] = self.overruns.get(key, 0) + count
 
 
 LOADS = _LoadCounts()
@@ -154,7 +182,10 @@ def watched_loads():
             other = TensorHandle(np.full(np.shape(ptrs.data), poison, dtype=np_dtype), dtype)
             LOADS.undefined += int((~active).sum())
         loaded = original(ptrs, mask, other, *rest, **kwargs)
-        LOADS.read_outside += int((_nan_lanes(np.asarray(loaded.data), dtype) & active).sum())
+        outside = _nan_lanes(np.asarray(loaded.data), dtype) & active
+        if outside.any():
+            LOADS.read_outside += int(outside.sum())
+            LOADS.count_overruns(np.asarray(ptrs.data)[outside].astype(np.uint64))
         return loaded
 
     own = "create_masked_load" in vars(builder)
@@ -244,6 +275,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
     elements, NaN read from outside an input. Returns the relative error when none applies.
     ``dim_names``: a name for each dimension of ``out``, to say which slices were never written."""
     n_outside = outside_writes(allocation, out)
+    overruns = LOADS.take_overruns()
     read_outside, undefined = LOADS.take()
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
@@ -254,10 +286,13 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                 "for a 2-D block).")
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
-        raise Failure(f"loads read {read_outside} element(s) past the edge of an input ({case.describe()}): the "
-                      f"checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
+        where = f" ({overruns})" if overruns else ""
+        below = (" An offset that can go below zero (such as `offs - 1`) needs its lower bound in the mask too "
+                 "(`offs >= 1`)." if "before its first" in overruns else "")
+        raise Failure(f"loads read {read_outside} element(s) past the edge of an input{where} ({case.describe()}): "
+                      f"the checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
                       f"(on a GPU such a read can fault). Every load needs a mask on each dimension its block can "
-                      f"overrun (`offs < n`, combined with `&` for a 2-D block).")
+                      f"overrun (`offs < n`, combined with `&` for a 2-D block).{below}")
     unwritten = out == UNWRITTEN
     if unwritten.all() and out.numel():
         raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "

@@ -35,6 +35,21 @@ def causal_product64(q, k, v, *, mask="causal"):
     return (scores * keep) @ v
 
 
+def chunk_mistake64(q, k, v, *, chunk, intra_mask=True, state_first=False):
+    """What a chunked kernel with chunks of ``chunk`` tokens computes when it leaves out the causal
+    mask inside a chunk (``intra_mask=False``: o_t sees its whole chunk) or adds the chunk's kᵀ v to
+    the state before q reads it (``state_first``: the chunk counted once more, whole); float64."""
+    T = q.shape[-2]
+    t = torch.arange(T, device=q.device)
+    chunk_start, chunk_end = (t // chunk * chunk)[:, None], ((t // chunk + 1) * chunk)[:, None]
+    s = t[None, :]
+    weights = (s < chunk_start).double()  # the state: every earlier chunk
+    weights += ((s >= chunk_start) & (s <= t[:, None] if intra_mask else s < chunk_end)).double()
+    if state_first:
+        weights += ((s >= chunk_start) & (s < chunk_end)).double()
+    return ((q @ k.transpose(-1, -2)) * weights.to(q.device)) @ v
+
+
 def dq64(do, k, v, *, mask="causal"):
     """dQ of o = causal_product(q, k, v) for the upstream gradient do: dq_t = sum_{s<=t} (do_t . v_s) k_s,
     itself a causal product with do, v, k in the roles of q, k, v. ``mask="reverse"``: s >= t."""
@@ -144,7 +159,7 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
 
     def guarded_inputs(values):
         # every other input transposed, so a kernel that uses one tensor's strides for another fails too
-        return {name: guarded_copy(t, transposed=case.transposed and index % 2 == 0)
+        return {name: guarded_copy(t, transposed=case.transposed and index % 2 == 0, name=f"{name}_ptr")
                 for index, (name, t) in enumerate(values.items())}
 
     def rerun(new_inputs):
@@ -268,7 +283,7 @@ def check_feature_map(kernel) -> CheckResult:
     def run_case(case, passed):
         T, D = case.sizes["T"], case.sizes["D"]
         x = torch.randn(T, D, dtype=torch.float64).to(case.dtype).to(_device.DEVICE)
-        x_in = guarded_copy(x, transposed=case.transposed)
+        x_in = guarded_copy(x, transposed=case.transposed, name="x_ptr")
         out, allocation = _guarded_output((T, D), case.dtype, case.transposed)
         grid = (triton.cdiv(T, FEATURE_MAP_BLOCK_T),)
         kernel[grid](x_in, out, T, D, *_stride_args(x_in, out),
@@ -394,7 +409,20 @@ def check_chunked(kernel) -> CheckResult:
     cases = [c for c in _sequence_cases(short_T=32, tail_T=37, long_T=2048) if bf16_ok or c.dtype != torch.bfloat16]
     own_token = ("o_t must include k_t v_tᵀ: keep the diagonal of the chunk's causal mask (`>=`, s <= t); the "
                  "state carries the earlier chunks only, so it is read before the chunk's update")
-    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token), row_block=CHUNK,
+    read_before_update = ("q @ S must see the earlier chunks only: read the state before adding this chunk's "
+                          "kᵀ v to it, since the masked scores already count the chunk's tokens")
+    chunk_variants = [
+        (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, intra_mask=False),
+         "within a chunk, token t also sees the chunk's later tokens: the scores q kᵀ need the causal mask "
+         "(s <= t) before they multiply v"),
+        (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, state_first=True),
+         f"the chunk's own tokens are counted twice and its later tokens leak in: {read_before_update}"),
+        (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, intra_mask=False, state_first=True),
+         f"the causal mask inside the chunk is missing, and the state already holds the chunk: the scores q kᵀ "
+         f"need the mask (s <= t), and {read_before_update}"),
+    ]
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token) + chunk_variants,
+                   row_block=CHUNK,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
                    launch=_launch_per_sequence(kernel, _chunk_blocks), uses_dot=True)
 
