@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -206,24 +207,33 @@ def test_every_student_notebook_has_a_source():
     assert len(list(SOLUTIONS.glob("*.ipynb"))) >= 6
 
 
+SOLUTION_CELL = {"nbgrader": {"grade": False, "grade_id": "answer", "locked": False, "schema_version": 3,
+                               "solution": True, "task": False}}
+GRADE_CELL = {"nbgrader": {"grade": True, "grade_id": "check", "locked": True, "points": 1, "schema_version": 3,
+                           "solution": False, "task": False}}
+
+
 def _notebook(*cells):
-    return {"cells": [{"cell_type": kind, "metadata": {}, "source": text,
+    """A notebook of (kind, source) or (kind, source, metadata) cells."""
+    return {"cells": [{"cell_type": kind, "metadata": dict(rest[0]) if rest else {}, "source": text,
                        **({"outputs": [{"output_type": "stream", "name": "stdout", "text": "42"}],
-                           "execution_count": 3} if kind == "code" else {})} for kind, text in cells],
+                           "execution_count": 3} if kind == "code" else {})} for kind, text, *rest in cells],
             "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
 
 
 def test_student_version_follows_nbgrader():
     notebook = _notebook(
-        ("code", "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"),
-        ("markdown", "Why?\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n"),
-        ("code", "### BEGIN HIDDEN TESTS\nassert f(1) == 2\n### END HIDDEN TESTS\n"),
-        ("code", "print(f(1))\n### BEGIN HIDDEN TESTS\nassert f(2) == 3\n### END HIDDEN TESTS\n"),
+        ("code", "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n", SOLUTION_CELL),
+        ("markdown", "Why?\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION\n", SOLUTION_CELL),
+        ("code", "### BEGIN HIDDEN TESTS\nassert f(1) == 2\n### END HIDDEN TESTS\n", GRADE_CELL),
+        ("code", "print(f(1))\n### BEGIN HIDDEN TESTS\nassert f(2) == 3\n### END HIDDEN TESTS\n", GRADE_CELL),
     )
     student = student_version(notebook)
     sources = ["".join(cell["source"]) for cell in student["cells"]]
     assert sources == ["def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n",
-                       "Why?\nYOUR ANSWER HERE\n", "print(f(1))\n"]
+                       "Why?\nYOUR ANSWER HERE\n", "", "print(f(1))\n"]
+    assert [cell["metadata"] for cell in student["cells"]] == [SOLUTION_CELL, SOLUTION_CELL, GRADE_CELL, GRADE_CELL], \
+        "the grade cells stay, with their ids, for nbgrader's autograde to fill"
     assert all(cell["outputs"] == [] and cell["execution_count"] is None
                for cell in student["cells"] if cell["cell_type"] == "code")
     assert "Because" in notebook["cells"][1]["source"], "the source notebook is left as it was"
@@ -233,8 +243,36 @@ def test_student_version_follows_nbgrader():
                                   "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n",
                                   "### BEGIN HIDDEN TESTS\nassert True\n"])
 def test_unbalanced_markers_are_refused(text):
+    marks = {"nbgrader": {**SOLUTION_CELL["nbgrader"], "grade": True, "points": 1}}
     with pytest.raises(ValueError, match="cell 0"):
-        student_version(_notebook(("code", text)))
+        student_version(_notebook(("code", text, marks)))
+
+
+@pytest.mark.parametrize("text, marks, words", [
+    ("### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n", {}, "not marked as a solution cell"),
+    ("### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n", GRADE_CELL, "not marked as a solution cell"),
+    ("### BEGIN HIDDEN TESTS\nassert True\n### END HIDDEN TESTS\n", SOLUTION_CELL, "not marked as a grade cell"),
+    ("### BEGIN HIDDEN TESTS\nassert True\n### END HIDDEN TESTS\n",
+     {"nbgrader": {**GRADE_CELL["nbgrader"], "points": 0}}, "not marked as a grade cell with points"),
+])
+def test_regions_outside_their_kind_of_cell_are_refused_as_nbgrader_does(text, marks, words):
+    with pytest.raises(ValueError, match=words):
+        student_version(_notebook(("code", text, marks)))
+
+
+def test_solution_sources_carry_nbgrader_metadata():
+    """What nbgrader checks of a source notebook's cells (its CheckCellMetadata), on every exercise:
+    the solution and the hidden check are marked, grade ids are unique and well formed."""
+    grade_ids = []
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        marked = [cell["metadata"]["nbgrader"] for cell in notebook["cells"] if "nbgrader" in cell["metadata"]]
+        assert sum(m["solution"] for m in marked) == 1 and sum(m["grade"] for m in marked) == 1, path.name
+        for marks in marked:
+            assert marks["schema_version"] == 3 and re.fullmatch(r"[a-zA-Z0-9_\-]+", marks["grade_id"]), marks
+            assert not marks["grade"] or (marks["points"] > 0 and marks["locked"]), marks
+            grade_ids.append(marks["grade_id"])
+    assert len(grade_ids) == len(set(grade_ids)), grade_ids
 
 
 def test_student_version_refuses_what_is_not_a_notebook():

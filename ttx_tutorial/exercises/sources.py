@@ -1,14 +1,20 @@
 """One source, two versions: the student notebook is made from the solution notebook.
 
-The solution notebooks follow nbgrader's conventions, so a course that runs nbgrader can use them
-as they are, and this module makes the same student version without nbgrader:
+The solution notebooks follow nbgrader's conventions, cell metadata included, so a course that runs
+nbgrader can use them as its source notebooks, and this module makes the same student version
+without nbgrader:
 
 * in a code cell, the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION`` become
   ``# YOUR CODE HERE`` and ``raise NotImplementedError()``, indented like the first marker;
 * in a markdown cell, that region becomes ``YOUR ANSWER HERE``;
-* the lines from ``### BEGIN HIDDEN TESTS`` to ``### END HIDDEN TESTS`` are removed, and a cell
-  left empty by that is dropped;
+* the lines from ``### BEGIN HIDDEN TESTS`` to ``### END HIDDEN TESTS`` are removed; the cell
+  stays, with its nbgrader metadata, so that nbgrader's autograde can put the tests back into a
+  submitted copy (it finds them by the cell's ``grade_id``);
 * outputs and execution counts are cleared, so no solution leaks through an output.
+
+As nbgrader does, a solution region must sit in a cell marked as a solution cell
+(``metadata.nbgrader.solution``), and hidden tests in a grade cell (``metadata.nbgrader.grade``,
+with its points); a source that breaks this is refused.
 """
 
 from __future__ import annotations
@@ -57,27 +63,35 @@ def _answer_blank(indent):
     return [f"{indent}YOUR ANSWER HERE\n"]
 
 
+def _check_marked(cell, text: str, where: str) -> None:
+    """nbgrader's rule: solution regions only in solution cells, hidden tests only in grade cells."""
+    marks = cell.get("metadata", {}).get("nbgrader", {})
+    if any(line.strip() == BEGIN_SOLUTION for line in text.splitlines()) and not marks.get("solution"):
+        raise ValueError(f"{where}: a solution region in a cell not marked as a solution cell "
+                         f"(metadata.nbgrader.solution); nbgrader refuses it")
+    if any(line.strip() == BEGIN_HIDDEN for line in text.splitlines()):
+        if not marks.get("grade") or not marks.get("points"):
+            raise ValueError(f"{where}: hidden tests in a cell not marked as a grade cell with points "
+                             f"(metadata.nbgrader.grade, .points); nbgrader refuses it")
+
+
 def student_version(notebook: dict, *, name: str = "notebook") -> dict:
     """The student version of a solution notebook (a dict as stored in an .ipynb file)."""
     if not isinstance(notebook, dict) or "cells" not in notebook:
         raise TypeError(f"{name}: notebook must be a dict with 'cells' (a parsed .ipynb file)")
     student = copy.deepcopy(notebook)
-    cells = []
     for index, cell in enumerate(student["cells"]):
         where = f"{name}, cell {index}"
         text = _source_text(cell)
+        _check_marked(cell, text, where)
         text = _replace_regions(text, BEGIN_HIDDEN, END_HIDDEN, lambda indent: [], where)
         blank = _code_blank if cell["cell_type"] == "code" else _answer_blank
         text = _replace_regions(text, BEGIN_SOLUTION, END_SOLUTION, blank, where)
-        if not text.strip():
-            continue
         cell["source"] = text.splitlines(keepends=True)
         if cell["cell_type"] == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
             cell.get("metadata", {}).pop("execution", None)
-        cells.append(cell)
-    student["cells"] = cells
     return student
 
 
