@@ -209,7 +209,7 @@ def test_eps_enters_the_denominator_only():
     ({"feature_map": 3}, ValueError, "feature_map must be one of"),
     ({"eps": -1.0}, ValueError, "eps must be finite and >= 0"),
     ({"eps": float("nan")}, ValueError, "eps must be finite"),
-    ({"eps": "1e-6"}, TypeError, "eps must be a float"),
+    ({"eps": "1e-6"}, TypeError, "eps must be a Python float"),
     ({"normalize": 1}, TypeError, "normalize must be a bool"),
     ({"initial_state": torch.zeros(1, 2, 16, 8)}, ValueError, r"\(B, H, D, E \+ 1\)"),
     ({"method": "fast"}, ValueError, "unknown method"),
@@ -483,7 +483,7 @@ def test_kernel_normaliser_errors_are_named():
         ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", initial_state=torch.zeros(2, 2, 16, 9))
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         chunked.chunked_normalized_attention(q, k, v, eps=-1.0)
-    with pytest.raises(TypeError, match="eps must be a float"):
+    with pytest.raises(TypeError, match="eps must be a Python float"):
         chunked.chunked_normalized_attention(q, k, v, eps=None)
     with pytest.raises(ValueError, match=r"feature_map must keep the shape and dtype of q \(torch.float32"):
         ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", feature_map=lambda x: x.double().exp())

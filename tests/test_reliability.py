@@ -11,6 +11,7 @@ import ast
 import itertools
 import math
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ import ttx_tutorial
 from _strategies import TRITON_METHODS
 from test_validation import BAD_CALLS
 from ttx_tutorial import causal_product, references, testing
+from ttx_tutorial.testing import run_python
 from ttx_tutorial.kernels import chunked, recurrent, scan
 
 KERNEL_FUNCTIONS = {
@@ -36,14 +38,29 @@ TRITON_AND_AUTO = (*TRITON_METHODS, "auto")
 
 # --------------------------------------------------------------------------- double backward
 
+@pytest.mark.parametrize("loss", [lambda o: o.sum(), lambda o: (o**2).sum()], ids=["sum", "squares"])
+@pytest.mark.parametrize("entry", ["causal_product", "causal_linear_attention", "kernel_file"])
 @pytest.mark.parametrize("method", TRITON_AND_AUTO)
-def test_a_gradient_of_a_gradient_is_refused_not_silently_zero(method, device):
+def test_a_gradient_of_a_gradient_is_refused_not_silently_zero(method, entry, loss, device):
+    """create_graph=True needs the backward's own dependence on q, k and v, which the kernels'
+    backward lacks: refused at once. With o.sum() the incoming gradient needs no graph itself, and
+    a backward left untracked would hand back gradients that silently miss every second-order term."""
+    if entry == "kernel_file" and method == "auto":
+        pytest.skip("no kernel file is called auto")
     q, k, v = testing.random_inputs(1, 2, 20, 8, 8, device=device, seed=1, requires_grad=True)
-    o = causal_product(q, k, v, method)
-    (dq,) = torch.autograd.grad((o**2).sum(), (q,), create_graph=True)
-    penalty = (dq**2).sum()
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        penalty.backward()
+    run = {"causal_product": lambda: causal_product(q, k, v, method),
+           "causal_linear_attention": lambda: ttx_tutorial.causal_linear_attention(q, k, v, method=method),
+           "kernel_file": lambda: KERNEL_FUNCTIONS[method](q, k, v)[0]}[entry]
+    with pytest.raises(RuntimeError, match=r"create_graph=True\) is not supported"):
+        torch.autograd.grad(loss(run()), (q,), create_graph=True)
+    (dq,) = torch.autograd.grad(loss(run()), (q,))  # a first-order gradient as before
+    assert dq.shape == q.shape
+
+
+def test_the_references_keep_their_second_order(device):
+    q, k, v = testing.random_inputs(1, 2, 9, 4, 3, device=device, seed=21, dtype=torch.float64, requires_grad=True)
+    (dq,) = torch.autograd.grad(causal_product(q, k, v, "cumsum").sum(), (q,), create_graph=True)
+    assert dq.requires_grad
 
 
 # --------------------------------------------------------------------------- negative-bit views
@@ -496,3 +513,36 @@ def test_kernel_functions_refuse_bad_input_with_the_api_s_messages(method):
         from_api = caught(lambda: causal_product(*args, method, **kwargs))
         from_kernel_file = caught(lambda: kernel_function(*args, **kwargs))
         assert from_kernel_file == from_api, f"{case}: {from_kernel_file} != {from_api}"
+
+
+#: Each kernel file's entry point, called on small CPU tensors: (file, call).
+KERNEL_FILE_CALLS = {
+    "chunked": "chunked.chunked_causal_product(q, k, v)",
+    "scan": "scan.scan_causal_product(q, k, v)",
+    "recurrent": "recurrent.recurrent_causal_product(q, k, v)",
+    "feature_map": "feature_map.feature_maps(q, k)",
+    "step": "step.step_update(q[:, :, 0], k[:, :, 0], v[:, :, 0], torch.zeros(1, 2, 4, 4))",
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_FILE_CALLS)
+def test_a_kernel_file_refuses_an_interpreter_switched_on_after_its_import(name, tmp_path):
+    """@triton.jit chooses between a GPU kernel and the interpreter when the file is imported; a copy
+    imported first and put in CPU mode afterwards says so, instead of failing inside Triton's driver."""
+    shutil.copy(Path(chunked.__file__).parent / f"{name}.py", tmp_path)
+    script = f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import torch, triton
+        import {name}
+        triton.knobs.runtime.interpret = True
+        q = k = v = torch.randn(1, 2, 5, 4)
+        try:
+            {KERNEL_FILE_CALLS[name]}
+        except RuntimeError as error:
+            print("refused:", error)
+        """
+    child = run_python(script, timeout=300, TTX_TUTORIAL_DEVICE="cpu")
+    assert "refused: Triton's interpreter was switched on after this file was imported" in child.stdout, \
+        child.stdout + child.stderr
+

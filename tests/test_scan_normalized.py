@@ -245,7 +245,7 @@ def test_errors_are_named():
                                        cu_seqlens=torch.tensor([0, 2, 5], device=q.device))
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         scan.scan_normalized_attention(q, k, v, eps=-1.0)
-    with pytest.raises(TypeError, match="eps must be a float"):
+    with pytest.raises(TypeError, match="eps must be a Python float"):
         scan.scan_normalized_attention(q, k, v, eps=None)
     with pytest.raises(ValueError, match="unknown config keys"):
         scan.scan_normalized_attention(q, k, v, config={"WALK": "blocks"})

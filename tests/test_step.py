@@ -190,7 +190,7 @@ BAD = [
     ({"feature_map": 3}, ValueError, "feature_map must be one of"),
     ({"normalize": 1}, TypeError, "normalize must be a bool"),
     ({"eps": float("nan")}, ValueError, "eps must be finite"),
-    ({"eps": "small"}, TypeError, "eps must be a float"),
+    ({"eps": "small"}, TypeError, "eps must be a Python float"),
 ]
 
 

@@ -91,7 +91,9 @@ def feature_map_function(feature_map):
 
 def _check_eps(eps):
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        kind = type(eps).__qualname__
+        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
+        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
@@ -141,7 +143,8 @@ def _maps_in_a_kernel(feature_map, q, k):
     """Whether ``kernels/feature_map.py`` maps q and k: a named map it has, tensors it takes, and
     not while torch.compile traces (the compiler fuses PyTorch's map itself)."""
     return (type(feature_map) is str and feature_map in _feature_map.FEATURE_MAPS
-            and q.dim() == 4 and q.shape == k.shape and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
+            and q.dim() == 4 and q.shape == k.shape and 1 <= q.shape[-1] <= _feature_map.MAX_HEAD_DIM
+            and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
             and q.device.type == DEVICE.type and q.device == k.device and not torch.compiler.is_compiling())
 
 

@@ -109,7 +109,8 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
     function = _BACKWARD_FROM_INPUTS.get(choose_method(q, v, cu_seqlens, gradients=False) if method == AUTO
                                          else method)
     if function is not None:
-        found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens), grad_o, grad_final_state)
+        with torch.no_grad():  # a kernel call, recorded nowhere (the operator has no autograd of its own)
+            found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens), grad_o, grad_final_state)
     else:
         found = _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method,
                                                cu_seqlens)
@@ -170,6 +171,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_o, grad_final_state):
+    if torch.is_grad_enabled():  # create_graph=True: the backward operator has no derivative of its own
+        raise RuntimeError(chunked.SECOND_ORDER_REFUSAL)
     q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
     if grad_o is None:  # only the final state was used
         grad_o = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
@@ -244,8 +247,9 @@ def _normalized_causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, init
     # The chunked kernel file's backward reads only the inputs, the output and the denominator,
     # whichever method computed them: no second forward.
     with _on_tensors_device(q):
-        found = chunked._ChunkedNormalizedAttention.backward(
-            _SavedNormalizedInputs(q, k, v, initial_state, o, denominator), grad_o, grad_final_state)
+        with torch.no_grad():  # a kernel call, recorded nowhere (the operator has no autograd of its own)
+            found = chunked._ChunkedNormalizedAttention.backward(
+                _SavedNormalizedInputs(q, k, v, initial_state, o, denominator), grad_o, grad_final_state)
     dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
     if initial_state is None:  # nothing to differentiate; the schema still returns a tensor, never read
         B, H, _, D = q.shape
@@ -272,6 +276,8 @@ def _normalized_setup_context(ctx, inputs, output):
 
 
 def _normalized_backward(ctx, grad_o, grad_final_state, _):
+    if torch.is_grad_enabled():  # create_graph=True: the backward operator has no derivative of its own
+        raise RuntimeError(chunked.SECOND_ORDER_REFUSAL)
     q, k, v, initial_state, o, denominator = ctx.saved_tensors
     if grad_o is None:  # only the final state was used
         grad_o = torch.zeros_like(o)

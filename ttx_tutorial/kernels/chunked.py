@@ -33,7 +33,8 @@ Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any s
 element must sit at an offset below 2**31. Packed (``IS_VARLEN``, ``cu_seqlens`` of N + 1
 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks sequence b,
 tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and the states are
-(N, H, D, E); the Kahan carry then follows the total length.
+(N, H, D, E); the Kahan carry then follows the total length. Packed sequences are for the plain
+product only: ``chunked_normalized_attention`` takes no ``cu_seqlens`` (recurrent's and scan's do).
 Precision: products accumulate in float32. float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
 about float32's accuracy) for "highest", the default; one TF32 product (about 1e-3) for "high"
@@ -44,8 +45,10 @@ product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chun
 adds it with a Kahan carry.
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
 against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it.
-Compiled for sm_80 and sm_90 with Triton 3.9; not yet run on a GPU.
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: on an H200
+(Triton 3.6) one of its accuracy tests fails, for a reason not yet known.
+Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
+Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
 "tf32x3" and "tf32" and the token-by-token walks below included).
@@ -1275,6 +1278,12 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     return dq, dk, dv, ds0
 
 
+#: Why a backward recorded for a gradient of the gradient (create_graph=True) is refused: the
+#: backward kernels are not differentiable themselves, so that gradient would silently miss terms.
+SECOND_ORDER_REFUSAL = ("a gradient of these gradients (create_graph=True) is not supported: the backward "
+                        "kernels are not differentiable themselves")
+
+
 class _ChunkedCausalProduct(torch.autograd.Function):
     """Forward: one pass. Backward: one fused launch, or up to three passes."""
 
@@ -1287,8 +1296,9 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
         needs_q, needs_k, needs_v, needs_initial_state, _, _ = ctx.needs_input_grad
         grad_q = grad_k = grad_v = grad_initial_state = None
@@ -1379,8 +1389,9 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, initial_state, o, denominator = ctx.saved_tensors
         needs_q, needs_k, needs_v, needs_initial_state = ctx.needs_input_grad[:4]
         if grad_o is None:  # only the final state was used
@@ -1483,6 +1494,12 @@ def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None, *, n
             f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
         )
     expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if isinstance(chunked_kernel, triton.runtime.JITFunction) == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError(
+            "Triton's interpreter was switched " + ("on" if triton.knobs.runtime.interpret else "off") +
+            " after this file was imported, and @triton.jit chose at import: set TRITON_INTERPRET=1 "
+            "(for CPU tensors) or leave it unset (for a GPU) before importing this file"
+        )
     if q.device.type != expected_device:
         where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
         raise ValueError(
@@ -1556,8 +1573,9 @@ def _resolved(q, k, v, initial_state):
 
 def chunked_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
-    initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
-    input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
+    initial_state: None or (B, H, D, E), any floating dtype, used as float32.  Returns
+    (o, final_state): o (B, H, T, E) in the input dtype, final_state (B, H, D, E) float32.
+    Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
     by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
@@ -1571,7 +1589,9 @@ def chunked_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqle
 
 def _check_eps(eps):
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        kind = type(eps).__qualname__
+        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
+        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
@@ -1581,9 +1601,10 @@ def chunked_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, confi
     out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
     numerator and denominator accumulated in float32 in one pass. eps (finite, >= 0) is added
     once, to q_t^T z_t. Shapes and dtypes as ``chunked_causal_product``; initial_state: None or
-    (B, H, D, E + 1) float32, S_0 then z_0 as the last column. Returns (out, final_state): out in
-    the input dtype, final_state (B, H, D, E + 1) float32 in the same layout. Differentiable in
-    q, k, v and initial_state."""
+    (B, H, D, E + 1), any floating dtype, used as float32, S_0 then z_0 as the last column.
+    Returns (out, final_state): out in the input dtype, final_state (B, H, D, E + 1) float32 in
+    the same layout. Differentiable in q, k, v and initial_state. No packed sequences
+    (``cu_seqlens``): recurrent's and scan's take them."""
     check_inputs(q, k, v, initial_state, normalized=True)
     _check_eps(eps)
     if initial_state is not None:

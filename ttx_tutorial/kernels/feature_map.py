@@ -16,8 +16,11 @@ beyond), 1 where phi > 0 for "relu". So q and k need not be saved.
 
 Shapes: q, k (B, H, T, D), the same shape, any strides; the features are laid out as their
 inputs (``torch.empty_like``), the gradients as the features. One program maps a tile of
-``BLOCK_T`` tokens by all ``BLOCK_D`` >= D columns of one (batch, head); offsets are 64-bit.
-dtypes float32, float16, bfloat16. Differentiable once (a gradient of the gradient is refused).
+``BLOCK_T`` tokens by all ``BLOCK_D`` >= D columns of one (batch, head), so 1 <= D <= 256
+(``MAX_HEAD_DIM``, the other kernel files' limit, within which every launch is compiled for
+sm_80 and sm_90); offsets are 64-bit. dtypes float32, float16, bfloat16. Differentiable once (a gradient of the gradient is refused).
+Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
+Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.9
 (``tests/test_compile_targets.py``); the test suite on an H200 with Triton 3.6.
 Caveats: the rounded feature gives phi' for "elu": where exp(x) rounds to 1 (x within half an
@@ -32,7 +35,6 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 
 @triton.jit
@@ -132,6 +134,8 @@ def feature_map_backward_kernel(
 
 #: The maps this file computes ("identity" needs no kernel: the inputs are their features).
 FEATURE_MAPS = ("elu", "relu")
+#: The largest D the kernels take: a tile holds a whole row of D columns.
+MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of one input a program maps: 2048 (16 a thread of 4 warps) keeps a GPU's many
 # programs streaming; the interpreter pays per program, so it takes larger tiles.
@@ -186,6 +190,12 @@ def _laid_out_like(grad, x):
     return grad if grad.stride() == x.stride() else torch.empty_like(x).copy_(grad)
 
 
+#: Why a backward recorded for a gradient of the gradient (create_graph=True) is refused: the
+#: backward kernels are not differentiable themselves, so that gradient would silently miss terms.
+SECOND_ORDER_REFUSAL = ("a gradient of these gradients (create_graph=True) is not supported: the backward "
+                        "kernels are not differentiable themselves")
+
+
 class _FeatureMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, feature_map):
@@ -195,8 +205,9 @@ class _FeatureMap(torch.autograd.Function):
         return phi_q, phi_k
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_phi_q, grad_phi_k):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         phi_q, phi_k = ctx.saved_tensors
         dq, dk = _launch_backward(_laid_out_like(grad_phi_q, phi_q), _laid_out_like(grad_phi_k, phi_k),
                                   phi_q, phi_k, ctx.feature_map)
@@ -213,8 +224,9 @@ def _check_dense(name, x):
 
 def check_inputs(q, k, feature_map):
     """A TypeError or ValueError naming the argument and the limit for anything the kernels cannot
-    take: feature_map one of FEATURE_MAPS; q and k dense tensors of one shape (B, H, T, D), one
-    dtype of float32/float16/bfloat16, on the GPU (the CPU under TRITON_INTERPRET=1)."""
+    take: feature_map one of FEATURE_MAPS; q and k dense tensors of one shape (B, H, T, D) with
+    1 <= D <= MAX_HEAD_DIM, one dtype of float32/float16/bfloat16, on the GPU (the CPU under
+    TRITON_INTERPRET=1)."""
     if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
     for name, x in (("q", q), ("k", k)):
@@ -230,7 +242,16 @@ def check_inputs(q, k, feature_map):
         raise TypeError(f"q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
     if q.dtype not in _INPUT_DTYPES:
         raise TypeError(f"the feature-map kernels support dtypes float32, float16, bfloat16; q and k are {q.dtype}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"the feature-map kernels take 1 <= D <= {MAX_HEAD_DIM} (a tile holds a whole row), "
+                         f"got D={q.shape[-1]}")
     expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if isinstance(feature_map_kernel, triton.runtime.JITFunction) == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError(
+            "Triton's interpreter was switched " + ("on" if triton.knobs.runtime.interpret else "off") +
+            " after this file was imported, and @triton.jit chose at import: set TRITON_INTERPRET=1 "
+            "(for CPU tensors) or leave it unset (for a GPU) before importing this file"
+        )
     if k.device != q.device:
         raise ValueError(f"k must be on the same device as q ({q.device}), got {k.device}")
     if q.device.type != expected_device:

@@ -28,6 +28,8 @@ slice are int32: its last element must sit at an offset below 2**31. Inputs floa
 products and the state in float32; o in the input dtype. Packed (``IS_VARLEN``, ``cu_seqlens``
 of N + 1 offsets): q, k, v, o hold N sequences along T of a batch of one, program row b walks
 sequence b, tokens [cu_seqlens[b], cu_seqlens[b + 1]), and the states are (N, H, D, E).
+Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
+Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, and the
 normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included).
@@ -699,6 +701,12 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     return o, final_state
 
 
+#: Why a backward recorded for a gradient of the gradient (create_graph=True) is refused: the
+#: backward kernels are not differentiable themselves, so that gradient would silently miss terms.
+SECOND_ORDER_REFUSAL = ("a gradient of these gradients (create_graph=True) is not supported: the backward "
+                        "kernels are not differentiable themselves")
+
+
 class _RecurrentCausalProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
@@ -709,8 +717,9 @@ class _RecurrentCausalProduct(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -791,8 +800,9 @@ class _RecurrentNormalizedAttention(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, initial_state, o, denominator, cu_seqlens = ctx.saved_tensors
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros_like(o)
@@ -883,6 +893,12 @@ def check_inputs(q, k, v, initial_state, method='recurrent', cu_seqlens=None, *,
             f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
         )
     expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if isinstance(recurrent_tokens_kernel, triton.runtime.JITFunction) == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError(
+            "Triton's interpreter was switched " + ("on" if triton.knobs.runtime.interpret else "off") +
+            " after this file was imported, and @triton.jit chose at import: set TRITON_INTERPRET=1 "
+            "(for CPU tensors) or leave it unset (for a GPU) before importing this file"
+        )
     if q.device.type != expected_device:
         where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
         raise ValueError(
@@ -958,11 +974,13 @@ def _resolved(q, k, v, initial_state):
 
 def recurrent_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
-    initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
-    input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
+    initial_state: None or (B, H, D, E), any floating dtype, used as float32.  Returns
+    (o, final_state): o (B, H, T, E) in the input dtype, final_state (B, H, D, E) float32.
+    Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
-    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
+    by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones (the normalised attention refuses
+    those whose BLOCK_D does not cover D).
     cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of
     one (q, k: (1, H, total_T, D)); no state crosses a boundary, and the states are (N, H, D, E)."""
     check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens)
@@ -988,7 +1006,9 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
 
 def _check_eps(eps):
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        kind = type(eps).__qualname__
+        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
+        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
@@ -998,10 +1018,10 @@ def recurrent_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, con
     out_t = q_t^T S_t / (q_t^T z_t + eps), S_t = S_0 + sum_{s<=t} k_s v_s^T, z_t = z_0 + sum_{s<=t} k_s,
     numerator and denominator accumulated in float32 in one walk. eps (finite, >= 0) is added
     once, to q_t^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
-    ``recurrent_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
-    packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
-    final_state float32 in the initial state's layout. Differentiable in q, k, v and
-    initial_state."""
+    ``recurrent_causal_product``; initial_state: None or (B, H, D, E + 1) ((N, H, D, E + 1) packed),
+    any floating dtype used as float32, S_0 then z_0 as the last column. Returns (out,
+    final_state): out in the input dtype, final_state float32 in the initial state's layout.
+    Differentiable in q, k, v and initial_state."""
     check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
     _check_eps(eps)
     if initial_state is not None:

@@ -64,8 +64,10 @@ tensor core's truncating accumulator. bfloat16 rounds the float32 state and scor
 float16 keeps them in float32 (TF32 products).
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
 against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it.
-Compiled for sm_80 and sm_90 with Triton 3.9; not yet run on a GPU.
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: on an H200
+(Triton 3.6) one of its accuracy tests fails, for a reason not yet known.
+Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
+Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segments_kernel``,
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
@@ -1828,6 +1830,12 @@ def _empty_sequence_gradients(q, k, v, grad_final_state, needs):
     return dq, dk, dv, grad_final_state if need_initial else None
 
 
+#: Why a backward recorded for a gradient of the gradient (create_graph=True) is refused: the
+#: backward kernels are not differentiable themselves, so that gradient would silently miss terms.
+SECOND_ORDER_REFUSAL = ("a gradient of these gradients (create_graph=True) is not supported: the backward "
+                        "kernels are not differentiable themselves")
+
+
 class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
@@ -1840,8 +1848,9 @@ class _ScanCausalProduct(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels have no backward of their own
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, start_tensor, segments, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
         need_q, need_k, need_v, need_initial = needs
@@ -1939,8 +1948,9 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
+        if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
+            raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, o, denominator, start_tensor, segments, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
         packed = {"segments": segments, "n_sequences": ctx.n_states}
@@ -2059,6 +2069,12 @@ def check_inputs(q, k, v, initial_state, method='scan', cu_seqlens=None, *, norm
             f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, v on {v.device}"
         )
     expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if isinstance(scan_outputs_kernel, triton.runtime.JITFunction) == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError(
+            "Triton's interpreter was switched " + ("on" if triton.knobs.runtime.interpret else "off") +
+            " after this file was imported, and @triton.jit chose at import: set TRITON_INTERPRET=1 "
+            "(for CPU tensors) or leave it unset (for a GPU) before importing this file"
+        )
     if q.device.type != expected_device:
         where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
         raise ValueError(
@@ -2134,8 +2150,9 @@ def _resolved(q, k, v, initial_state):
 
 def scan_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=None):
     """q, k: (B, H, T, D); v: (B, H, T, E); one dtype of float32/float16/bfloat16, one device.
-    initial_state: None or (B, H, D, E) float32.  Returns (o, final_state): o (B, H, T, E) in the
-    input dtype, final_state (B, H, D, E) float32.  Differentiable in q, k, v and initial_state.
+    initial_state: None or (B, H, D, E), any floating dtype, used as float32.  Returns
+    (o, final_state): o (B, H, T, E) in the input dtype, final_state (B, H, D, E) float32.
+    Differentiable in q, k, v and initial_state.
     config: optional dict overriding the block sizes / num_warps the wrapper would choose
     (benchmarks sweep it); None means the wrapper's own rule.  Keys: ``CONFIG_KEYS``, checked
     by ``check_config``; ``TUNING_CANDIDATES`` lists complete ones.
@@ -2163,7 +2180,9 @@ def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
 
 def _check_eps(eps):
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        kind = type(eps).__qualname__
+        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
+        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
@@ -2186,10 +2205,10 @@ def scan_normalized_attention(q, k, v, initial_state=None, *, eps=1e-6, config=N
     passes. feature_map, applied by the kernels as they load q and k (no pass of its own): "elu"
     (elu(x) + 1), "relu", or "identity" (the default: q, k are features already). eps (finite,
     >= 0) is added once, to phi(q_t)^T z_t. Shapes, dtypes, ``config`` and ``cu_seqlens`` as
-    ``scan_causal_product``; initial_state: None or (B, H, D, E + 1) float32 ((N, H, D, E + 1)
-    packed), S_0 then z_0 as the last column. Returns (out, final_state): out in the input dtype,
-    final_state float32 in the initial state's layout. Differentiable in q, k, v and
-    initial_state."""
+    ``scan_causal_product``; initial_state: None or (B, H, D, E + 1) ((N, H, D, E + 1) packed),
+    any floating dtype used as float32, S_0 then z_0 as the last column. Returns (out,
+    final_state): out in the input dtype, final_state float32 in the initial state's layout.
+    Differentiable in q, k, v and initial_state."""
     check_inputs(q, k, v, initial_state, cu_seqlens=cu_seqlens, normalized=True)
     _check_eps(eps)
     _check_feature_map(feature_map)

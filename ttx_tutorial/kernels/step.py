@@ -29,6 +29,8 @@ Scope: inference only (no backward: ``step_update`` refuses inputs that autograd
 gradient for; training runs the whole sequence through a causal product). The contract's
 ``<family>_causal_product``, ``_run_validated``, autograd Function and ``config`` do not apply,
 and the file asks the driver nothing.
+Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
+Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.9
 (``tests/test_compile_targets.py``); the test suite on an H200 with Triton 3.6 (threads racing on
 one state, CUDA-graph replay).
@@ -290,7 +292,9 @@ def check_inputs(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        kind = type(eps).__qualname__
+        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
+        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
     if not (eps >= 0 and eps != float("inf")):  # also false for NaN
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
@@ -310,6 +314,12 @@ def check_inputs(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6)
     if q.dtype not in _INPUT_DTYPES:
         raise TypeError(f"the step kernel supports dtypes float32, float16, bfloat16; q, k, v are {q.dtype}")
     expected_device = "cpu" if triton.knobs.runtime.interpret else "cuda"
+    if isinstance(step_kernel, triton.runtime.JITFunction) == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError(
+            "Triton's interpreter was switched " + ("on" if triton.knobs.runtime.interpret else "off") +
+            " after this file was imported, and @triton.jit chose at import: set TRITON_INTERPRET=1 "
+            "(for CPU tensors) or leave it unset (for a GPU) before importing this file"
+        )
     for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
         if x.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
@@ -340,7 +350,8 @@ def _check_no_gradient(q, k, v, state):
         raise RuntimeError(
             "the generation step is inference only (it updates the state in place and has no backward), "
             "but an input requires grad: call it under torch.no_grad() or torch.inference_mode(), and "
-            "train on whole sequences with ttx_tutorial.causal_linear_attention")
+            "train on whole sequences with a causal product (a kernel file's *_normalized_attention, or "
+            "ttx_tutorial.causal_linear_attention)")
 
 
 _INTERPRETER_LOCK_NAME = "serial_launch_lock"
