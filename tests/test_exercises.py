@@ -53,6 +53,18 @@ EXERCISES = {
          [("offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd", "offs_t[:, None] * D + offs_d[None, :]")],
          "transposed ones do not"),
         ("elu_without_plus_one", [("x + 1.0, tl.exp(x))", "x, tl.exp(x) - 1.0)")], "this is elu(x)"),
+        ("both_tensors_addressed_as_contiguous",
+         [("offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd", "offs_t[:, None] * D + offs_d[None, :]"),
+          ("offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od", "offs_t[:, None] * D + offs_d[None, :]")],
+         "contiguous tensors pass but transposed ones do not"),
+        ("store_with_the_input_s_strides",
+         [("offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od", "offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd")],
+         "contiguous tensors pass but transposed ones do not"),
+        ("column_stride_taken_as_one",
+         [("offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd", "offs_t[:, None] * stride_xt + offs_d[None, :]")],
+         "contiguous tensors pass but transposed ones do not"),
+        ("row_mask_off_by_one", [("mask = (offs_t[:, None] < T)", "mask = (offs_t[:, None] <= T)")], "written `<=`"),
+        ("exp_of_a_16_bit_block", [("    x = x.to(tl.float32)\n", "")], "convert the loaded block with `.to(tl.float32)`"),
     ]),
     "recurrent": ("ex2_recurrent_kernel", lambda ns: exercises.check_recurrent(ns["recurrent_kernel"]), [
         ("output_before_update", [("state += k[:, None] * v[None, :]\n        o = tl.sum(state * q[:, None], axis=0)",
@@ -111,6 +123,12 @@ EXERCISES = {
         ("walks_backwards", [("    for t in range(T):\n", "    for step in range(T):\n        t = T - 1 - step\n")],
          "tokens after t"),
         ("state_in_16_bits", STORE_16_BIT, "16 bits"),
+        ("k_read_with_swapped_strides", [("k_ptr + t * stride_kt + offs_d * stride_kd", "k_ptr + t * stride_kd + offs_d * stride_kt")],
+         "its stride arguments"),
+        ("sequence_offset_left_out", [("    dq_ptr += seq * stride_dqh\n", "")], "sequence 1 still hold"),
+        ("forward_roles_kept", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)", "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)"),
+                                ("state += v[:, None] * k[None, :]", "state += k[:, None] * v[None, :]")],
+         "dO in q's place"),
     ]),
 }
 
@@ -158,15 +176,25 @@ WATCHED_LOAD_ATTEMPTS = [
     ("scan", "rows_not_offset", [("seq * stride_sh + row * stride_sd\n", "seq * stride_sh\n"), ("row * stride_od + ", "")], "row d 1, 2, 3"),
     ("scan", "suffix_sums", [("tl.cumsum(block, axis=0) - block", "tl.sum(block, axis=0)[None, :] - tl.cumsum(block, axis=0)")],
      "runs the wrong way"),
+    ("feature_map", "bfloat16_arithmetic", [("    x = x.to(tl.float32)\n    phi = tl.where(x > 0, x + 1.0, tl.exp(x))",
+                                             "    phi = tl.where(x > 0, x + 1, tl.exp(x.to(tl.float32)).to(x.dtype))")],
+     "arithmetic on bfloat16 values wrong"),
+    ("dq", "bfloat16_loads", [(", mask=mask_d, other=0.0).to(tl.float32)", ", mask=mask_d, other=0.0)"),
+                              (", mask=mask_e, other=0.0).to(tl.float32)\n        do", ", mask=mask_e, other=0.0)\n        do"),
+                              ("offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)", "offs_e * stride_doe, mask=mask_e, other=0.0)")],
+     "arithmetic on bfloat16 values wrong"),
 ]
+
+#: Attempts whose mistake only the interpreter shows (its watched loads, its bfloat16 arithmetic).
+INTERPRETER_ONLY = ("loads_without_other", "masks_on_tokens_only", "load_unmasked", "previous_segment_loaded_at_segment_0",
+                    "bfloat16_arithmetic", "bfloat16_loads")
 
 
 @pytest.mark.parametrize("name, attempt, replacements, words", [pytest.param(*a, id=f"{a[0]}-{a[1]}")
                                                                  for a in WATCHED_LOAD_ATTEMPTS])
 def test_interpreter_watches_loads_and_names_the_slices(name, attempt, replacements, words):
-    if attempt in ("loads_without_other", "masks_on_tokens_only", "load_unmasked",
-                   "previous_segment_loaded_at_segment_0") and not ttx_tutorial.INTERPRETED:
-        pytest.skip("loads are watched under the interpreter only")
+    if attempt in INTERPRETER_ONLY and not ttx_tutorial.INTERPRETED:
+        pytest.skip("the interpreter's own behaviour")
     stem, check, _ = EXERCISES[name]
     result = check(exercise_namespace(stem, replacements))
     assert not result.passed

@@ -244,46 +244,66 @@ def launch_error(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """One launch: sizes, dtype and whether inputs and output are laid out transposed."""
+    """One launch: sizes, dtype and whether inputs (``transposed``) and the output
+    (``output_transposed``, by default as the inputs) are laid out transposed."""
 
     sizes: dict
     dtype: torch.dtype = torch.float32
     transposed: bool = False
+    output_transposed: bool | None = None
+
+    @property
+    def out_transposed(self) -> bool:
+        return self.transposed if self.output_transposed is None else self.output_transposed
+
+    @property
+    def any_transposed(self) -> bool:
+        return self.transposed or self.out_transposed
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name}={value}" for name, value in self.sizes.items())
-        layout = ", transposed tensors" if self.transposed else ""
+        layout = {(True, True): ", transposed tensors", (True, False): ", transposed inputs",
+                  (False, True): ", transposed output", (False, False): ""}[(self.transposed, self.out_transposed)]
         return f"{sizes}, {str(self.dtype).replace('torch.', '')}{layout}"
 
 
 def _unwritten_slices(unwritten, dim_names):
     """"row d 1, 2 (in every sequence, segment, column e)" when whole slices along one dimension
-    explain every unwritten element, else None (``dim_names``: one singular name a dimension)."""
+    explain every unwritten element, else None (``dim_names``: one singular name a dimension, None
+    for a dimension whose unwritten slices another diagnosis explains better)."""
     for dim, name in enumerate(dim_names):
+        if name is None:
+            continue
         moved = unwritten.movedim(dim, 0).reshape(unwritten.shape[dim], -1)
         whole = moved.all(dim=1)
         if whole.any() and torch.equal(moved, whole[:, None].expand_as(moved)):
             indices = whole.nonzero().flatten().tolist()
             shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
-            others = ", ".join(n for n in dim_names if n != name)
-            return f"{name} {shown} (in every {others})"
+            others = ", ".join(n for n in dim_names if n not in (name, None))
+            return f"{name} {shown} (in every {others})" if others else f"{name} {shown}"
     return None
 
 
-def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None, dim_names=None):
+def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None, dim_names=None,
+                 passed=()):
     """The diagnoses that need no knowledge of the exercise: stores outside the output, unwritten
     elements, NaN read from outside an input. Returns the relative error when none applies.
-    ``dim_names``: a name for each dimension of ``out``, to say which slices were never written."""
+    ``dim_names``: a name for each dimension of ``out``, to say which slices were never written;
+    ``passed``: the cases already passed."""
     n_outside = outside_writes(allocation, out)
     overruns = LOADS.take_overruns()
     read_outside, undefined = LOADS.take()
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
-        hint = (f" The last block has {out.shape[row_dim] % block} {row_name} of {block}: its store needs a "
+        left = out.shape[row_dim] % block if tail else 0
+        hint = (f" The last block has {left} of its {block} {row_name} in the output: its store needs a "
                 f"mask on them, and on every other dimension its block can overrun (`offs < n`, combined with "
                 f"`&` for a 2-D block)." if tail else
                 " A store needs a mask on every dimension its block can overrun (`offs < n`, combined with `&` "
                 "for a 2-D block).")
+        if out.numel() and n_outside == out.numel() // out.shape[row_dim]:
+            hint += f" Exactly one row of {row_name} past the end: is a mask written `<=` where it needs `<`?"
+        hint += " (Or the store uses another tensor's strides.)"
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
         where = f" ({overruns})" if overruns else ""
@@ -294,6 +314,12 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                       f"(on a GPU such a read can fault). Every load needs a mask on each dimension its block can "
                       f"overrun (`offs < n`, combined with `&` for a 2-D block).{below}")
     unwritten = out == UNWRITTEN
+    interpreted_bfloat16 = case.dtype == torch.bfloat16 and _device.INTERPRETED
+    if unwritten.any() and interpreted_bfloat16 and any(c.dtype == torch.float32 for c in passed):
+        raise Failure(f"part of the output holds inf ({case.describe()}), the checker's mark for unwritten "
+                      f"elements, though the float32 cases passed: most likely Triton's interpreter, which gets "
+                      f"arithmetic on bfloat16 values wrong (a GPU does not). Convert bfloat16 loads with "
+                      f"`.to(tl.float32)` before any arithmetic, as the float32 path does.")
     if unwritten.all() and out.numel():
         raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "
                       f"does it store to another pointer?")
@@ -318,6 +344,14 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): it used lanes "
                       f"that a mask switched off in a load without `other=`, whose values a GPU leaves undefined "
                       f"(the checker fills them with NaN). Give such loads `other=0.0`.")
+    if torch.isnan(out).any() and _device.INTERPRETED and interpreted_bfloat16:
+        raise Failure(f"the output holds NaN although every input is finite and every load stayed inside its "
+                      f"input ({case.describe()}): Triton's interpreter gets arithmetic on bfloat16 values wrong "
+                      f"(a GPU does not). Convert bfloat16 loads with `.to(tl.float32)` before any arithmetic.")
+    if torch.isnan(out).any() and _device.INTERPRETED:
+        raise Failure(f"the output holds NaN although every input is finite and every load stayed inside its "
+                      f"input ({case.describe()}): the arithmetic made it (inf - inf, 0 * inf, or a value past "
+                      f"the range of a 16-bit type). Compute in float32 (`.to(tl.float32)` on loads).")
     if torch.isnan(out).any():
         raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): a load "
                       f"without a mask read past the edge of an input (the checker surrounds inputs with NaN). "

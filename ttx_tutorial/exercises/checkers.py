@@ -78,6 +78,17 @@ def _strides_names(*prefixes, dims):
     return [f"stride_{prefix}{dim}" for prefix, dim_names in zip(prefixes, dims) for dim in dim_names]
 
 
+def _layout_first(case, passed, failure) -> str:
+    """A failure on transposed tensors whose contiguous twin (same sizes and dtype) passed is a
+    kernel that assumes a layout, whatever it looked like; else the failure as it was."""
+    twin = any(c.sizes == case.sizes and c.dtype == case.dtype and not c.any_transposed for c in passed)
+    if case.any_transposed and twin and "contiguous tensors pass" not in str(failure):
+        return (f"contiguous tensors pass but transposed ones do not ({case.describe()}): the kernel assumes a "
+                f"memory layout somewhere; address every tensor with its own stride arguments. (What the "
+                f"checker saw: {failure})")
+    return str(failure)
+
+
 def _run_cases(exercise, cases, run_case, *, note=""):
     """Run each case; the first Failure (or a launch that raises) becomes the printed diagnosis."""
     passed = []
@@ -87,7 +98,7 @@ def _run_cases(exercise, cases, run_case, *, note=""):
             with watched_loads():
                 run_case(case, passed)
         except Failure as failure:
-            return report(exercise, False, f"✗ {exercise}: {failure}", passed)
+            return report(exercise, False, f"✗ {exercise}: {_layout_first(case, passed, failure)}", passed)
         except NotImplementedError:
             return report(exercise, False, f"✗ {exercise}: a blank is still `raise NotImplementedError()`: "
                                            f"fill it in and run its cell again.", passed)
@@ -98,8 +109,12 @@ def _run_cases(exercise, cases, run_case, *, note=""):
                 return report(exercise, False, f"✗ {exercise}: Triton was imported before ttx_tutorial, so its own "
                                                f"functions (tl.sum, tl.zeros, ...) cannot run in the interpreter. "
                                                f"Restart the kernel and import ttx_tutorial first.", passed)
+            hint = ""
+            if "Expected dtype ['fp32', 'fp64']" in str(error) or "Expected dtype ['fp32', 'fp64']" in launch_error(error):
+                hint = (" tl.exp and the other math functions take float32 or float64: convert the loaded "
+                        "block with `.to(tl.float32)` first.")
             return report(exercise, False, f"✗ {exercise}: the kernel raised {launch_error(error)} "
-                                           f"({case.describe()}).", passed)
+                                           f"({case.describe()}).{hint}", passed)
         passed.append(case)
     return report(exercise, True, success(exercise, passed, note), passed)
 
@@ -110,22 +125,25 @@ def _guarded_output(shape, dtype, transposed):
 
 #: What changing the later rows of a sequence kernel's inputs and seeing earlier outputs change means.
 FUTURE_LEAK = ("changing tokens {cut}..{last} changed outputs before token {cut}: a future token leaks into the "
-               "past ({case}). Check the causal mask and the order of reading and updating the state.")
+               "past ({case}). Check the causal mask and the order of reading and updating the state, and that "
+               "each load reads its own token's row (its stride arguments).")
 
 
 def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol, leak=FUTURE_LEAK,
                         row_block=None):
     """Why a sequence kernel's output is wrong: a known wrong variant, a future token leaking,
     wrong strides, 16-bit sums; else the error itself."""
-    if case.transposed and any(c.dtype == case.dtype and not c.transposed for c in passed):
+    if case.any_transposed and any(c.dtype == case.dtype and not c.any_transposed for c in passed):
         raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): the kernel "
                       f"assumes a memory layout somewhere; address every tensor with its own stride arguments.")
     inputs64 = {name: tensor.double().cpu() for name, tensor in inputs.items()}
     right = spec(**inputs64)
     for variant, message in variants:
-        wrong = variant(**inputs64)
+        wrong = variant(**inputs64)  # None where the variant has no meaning for this case's shapes
         # A variant that equals the spec on this case (one token ahead of a one-token sequence)
         # cannot explain the error.
+        if wrong is None:
+            continue
         if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{message} ({case.describe()}).")
     T = out.shape[1]
@@ -154,7 +172,7 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
 
 
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
-                         uses_dot, row_name="tokens", dim_names=None, leak=FUTURE_LEAK):
+                         uses_dot, row_name="tokens", dim_names=("sequence", None, None), leak=FUTURE_LEAK):
     inputs = make_inputs(case)
 
     def guarded_inputs(values):
@@ -163,15 +181,15 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
                 for index, (name, t) in enumerate(values.items())}
 
     def rerun(new_inputs):
-        out, _ = _guarded_output(out_shape(case), case.dtype, case.transposed)
+        out, _ = _guarded_output(out_shape(case), case.dtype, case.out_transposed)
         launch(guarded_inputs(new_inputs), out, case)
         return out
 
-    out, allocation = _guarded_output(out_shape(case), case.dtype, case.transposed)
+    out, allocation = _guarded_output(out_shape(case), case.dtype, case.out_transposed)
     launch(guarded_inputs(inputs), out, case)
     ref = spec(**{name: t.double().cpu() for name, t in inputs.items()})
     error = check_output(out, allocation, ref, case, row_dim=1, row_name=row_name, block=row_block,
-                         dim_names=dim_names)
+                         dim_names=dim_names, passed=passed)
     tol = TOLERANCES[case.dtype]
     long_16bit = case.dtype != torch.float32 and out.shape[1] >= 256
     limit = min(tol, sixteen_bit_error_bound(ref, case.dtype)) if long_16bit else tol
@@ -284,16 +302,16 @@ def check_feature_map(kernel) -> CheckResult:
         T, D = case.sizes["T"], case.sizes["D"]
         x = torch.randn(T, D, dtype=torch.float64).to(case.dtype).to(_device.DEVICE)
         x_in = guarded_copy(x, transposed=case.transposed, name="x_ptr")
-        out, allocation = _guarded_output((T, D), case.dtype, case.transposed)
+        out, allocation = _guarded_output((T, D), case.dtype, case.out_transposed)
         grid = (triton.cdiv(T, FEATURE_MAP_BLOCK_T),)
         kernel[grid](x_in, out, T, D, *_stride_args(x_in, out),
                      BLOCK_T=FEATURE_MAP_BLOCK_T, BLOCK_D=next_power_of_2(D))
         ref = feature_map64(x.double().cpu())
         error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
-                             block=FEATURE_MAP_BLOCK_T)
+                             block=FEATURE_MAP_BLOCK_T, passed=passed)
         if error <= TOLERANCES[case.dtype]:
             return
-        if case.transposed and any(not c.transposed for c in passed):
+        if case.any_transposed and any(not c.any_transposed for c in passed):
             raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): use the "
                           f"stride arguments (stride_xt, stride_xd, ...) for every address.")
         if torch.allclose(out.double().cpu(), torch.nn.functional.elu(x.double().cpu()),
@@ -303,7 +321,11 @@ def check_feature_map(kernel) -> CheckResult:
                       f"({case.describe()}).")
 
     cases = [Case({"T": 32, "D": 16}), Case({"T": 37, "D": 16}), Case({"T": 1, "D": 5}),
-             Case({"T": 50, "D": 24}), Case({"T": 37, "D": 16}, transposed=True),
+             Case({"T": 50, "D": 24}),
+             # x and the output transposed in turn: an elementwise kernel that addressed both as
+             # contiguous would pass a case where both are transposed alike
+             Case({"T": 37, "D": 16}, transposed=True, output_transposed=False),
+             Case({"T": 37, "D": 16}, output_transposed=True),
              Case({"T": 37, "D": 16}, dtype=torch.float16), Case({"T": 37, "D": 16}, dtype=torch.bfloat16)]
     return _run_cases(exercise, cases, run_case)
 
@@ -507,7 +529,11 @@ def check_dq(kernel) -> CheckResult:
                  "this sums the tokens after t (the dK and dV recurrence, which walks backwards): dq_t sums "
                  "s <= t, walking forwards like the forward pass"),
                 (lambda do, k, v: dq64(do, k, v, mask="none"),
-                 "every token sees the whole sequence: the causal mask is missing")]
+                 "every token sees the whole sequence: the causal mask is missing"),
+                # the forward's roles kept, dO in q's place: a (T, E) result, comparable where D = E
+                (lambda do, k, v: causal_product64(do, k, v) if k.shape[-1] == v.shape[-1] else None,
+                 "this is the forward's product with dO in q's place, sum of (do_t . k_s) v_s: dq_t sums "
+                 "(do_t . v_s) k_s, so the state pairs them the other way, v_s k_sᵀ (E x D)")]
     options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
                    launch=launch, uses_dot=False)
