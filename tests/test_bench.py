@@ -214,6 +214,39 @@ def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_output_and_record_files_are_refused_before_anything_is_measured(tmp_path, capsys, monkeypatch):
+    """Each refusal comes from the argument check, before the copy bandwidth is measured."""
+    monkeypatch.setattr(bench, "copy_bandwidth_TBps", lambda quick: pytest.fail("measured before refusing"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not json")
+    another_device = tmp_path / "h200.json"
+    another_device.write_text(DATA.read_text())
+    this_device = bench.device_name()
+    cases = [(["--note", "why"], "--note goes with --record"),
+             (["--out", str(a_file)], "exists and is not a directory"),
+             (["--record", str(tmp_path / "no_such_folder" / "x.json")], "does not exist"),
+             (["--record", str(a_file)], "is not a recorded-data file")]
+    if this_device != "NVIDIA H200":
+        cases.append((["--record", str(another_device)],
+                      f"holds figures of NVIDIA H200, this run would measure {this_device}"))
+    for arguments, message in cases:
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", *arguments])
+        assert message in capsys.readouterr().err, arguments
+
+
+def test_short_dtype_names_are_accepted():
+    assert bench.parse_names("fp32, bf16,float16", bench.DTYPES, "--dtypes", bench.DTYPE_ALIASES) == [
+        "float32", "bfloat16", "float16"]
+
+
+def test_a_run_that_measures_nothing_fails_and_draws_no_plot(tmp_path, capsys):
+    code = bench.main(["--shapes", "1,1,8,300", "--sweep", "", "--dtypes", "float32", "--modes", "fwd",
+                       "--methods", "chunked", "--peers", "", "--out", str(tmp_path)])
+    assert code == 1 and "nothing was measured" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png")) and (tmp_path / "bench.csv").exists()
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_each_row_has_its_graph_replay_host_time_and_bandwidth():
     copy_TBps = bench.copy_bandwidth_TBps(quick=True)

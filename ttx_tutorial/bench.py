@@ -1,6 +1,6 @@
 """Time every method of ``causal_product``, and its peers where they are installed.
 
-    python -m ttx_tutorial.bench                      # the reference shapes and the sweep over T
+    python -m ttx_tutorial.bench                      # the reference shapes and the sweep over T (GPU sizes)
     python -m ttx_tutorial.bench --quick              # small sizes: minutes on a GPU, seconds on a CPU
     python -m ttx_tutorial.bench --shapes '8,16,4096,64;1,8,65536,64' --sweep '' --dtypes bfloat16
 
@@ -44,7 +44,7 @@ shapes as Markdown tables, one per dtype, in the README's form) and PNG plots, p
 dtype: time per call against T (the sweep) or per shape, and the achieved bandwidth against the
 copy ceiling. ``--record FILE`` merges the rows into a recorded-data file (the
 format of ``ttx_tutorial/course/data/h200.json``) as one recording named by date, device, versions and
-command, see :func:`record`.
+command, see ``record`` in this module.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -89,8 +90,8 @@ DTYPE_LABELS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 PEERS = ("fla_chunk", "fla_fused_chunk", "fla_fused_recurrent", "fast_transformers_cuda", "sdpa_softmax")
 #: The loop reference takes T Python steps a call: longer sequences take minutes a point.
 LOOP_MAX_T = 4096
-#: Timed calls per point in CPU mode, after the first (which compiles).
-CPU_CALLS = 2
+#: Timed calls per point in CPU mode, after the first (which compiles): the median of three.
+CPU_CALLS = 3
 #: Queries whose softmax attention is checked against float64 (all of them when T is smaller).
 SOFTMAX_CHECKED_QUERIES = 256
 
@@ -232,14 +233,16 @@ def too_large(name: str, shape: tuple[int, ...], mode: str) -> str | None:
         return None
     available = _available_memory()
     if needed > available / 2:
-        return f"skipped: {name} needs about {needed / 2**30:.0f} GiB, {available / 2**30:.0f} GiB free"
+        return (f"skipped: {name} needs about {needed / 2**30:.1f} GiB, more than half of the "
+                f"{available / 2**30:.1f} GiB free")
     return None
 
 
 def _available_memory() -> int:
+    """Free bytes: the GPU's, or in CPU mode the host's available pages."""
     if not _device.INTERPRETED:
         return torch.cuda.mem_get_info()[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # --- one point -------------------------------------------------------------------------------
@@ -483,7 +486,8 @@ def write_outputs(out: Path, env: dict, rows: list[dict]) -> list[Path]:
         for row in rows:
             writer.writerow({**row, "shape": "x".join(map(str, row["shape"]))})
     (out / "bench.md").write_text(markdown_tables(rows))
-    return [out / "bench.json", out / "bench.csv", out / "bench.md"] + plot(out, env, rows)
+    measured = [row for row in rows if row["ms"] is not None]
+    return [out / "bench.json", out / "bench.csv", out / "bench.md"] + (plot(out, env, measured) if measured else [])
 
 
 def _cell(row: dict | None, best: bool) -> str:
@@ -541,6 +545,7 @@ def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plots")
         return []
@@ -565,7 +570,11 @@ def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
                     axis.axhline(env["copy_TBps"], color="black", ls="--", label="device copy")
                 if part == "sweep":
                     B, H, _, D, E = shapes[0]
-                    axis.set(xscale="log", xlabel=f"sequence length T, (B, H, D, E) = {(B, H, D, E)}")
+                    lengths = sorted({shape[2] for shape in shapes})
+                    axis.set_xscale("log", base=2)
+                    axis.set_xticks(lengths, [str(T) for T in lengths])
+                    axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+                    axis.set(xlabel=f"sequence length T, (B, H, D, E) = {(B, H, D, E)}")
                 else:
                     axis.set_xticks(range(len(shapes)), [",".join(map(str, s)) for s in shapes], fontsize=7)
                     axis.set(xlim=(-0.5, len(shapes) - 0.5), xlabel="(B, H, T, D, E)")
@@ -681,12 +690,14 @@ ENV_KEYS = ("gpu", "sms", "torch", "triton", "python", "date", "fla")
 CPU_DEVICE = "CPU (Triton interpreter)"
 
 
+def device_name() -> str:
+    """The device a run measures, as recordings name it."""
+    return CPU_DEVICE if _device.INTERPRETED else torch.cuda.get_device_name(_device.DEVICE)
+
+
 def environment(command: str, copy_TBps: float) -> dict:
-    if _device.INTERPRETED:
-        gpu, sms = CPU_DEVICE, None
-    else:
-        properties = torch.cuda.get_device_properties(_device.DEVICE)
-        gpu, sms = torch.cuda.get_device_name(_device.DEVICE), properties.multi_processor_count
+    gpu = device_name()
+    sms = None if _device.INTERPRETED else torch.cuda.get_device_properties(_device.DEVICE).multi_processor_count
     try:
         from importlib.metadata import version
 
@@ -731,37 +742,73 @@ def parse_sweep(text: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return dims, lengths
 
 
-def parse_names(text: str, allowed: Iterable[str], option: str) -> list[str]:
-    names = [name for name in (part.strip() for part in text.split(",")) if name]
+#: Short dtype names, as the rows and tables label them, accepted by --dtypes too.
+DTYPE_ALIASES = {label: str(dtype).replace("torch.", "") for dtype, label in DTYPE_LABELS.items()}
+
+
+def parse_names(text: str, allowed: Iterable[str], option: str, aliases: dict | None = None) -> list[str]:
+    names = [(aliases or {}).get(name, name) for name in (part.strip() for part in text.split(",")) if name]
     unknown = [name for name in names if name not in allowed]
     if unknown:
         raise ValueError(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(allowed)}")
     return names
 
 
+def _plain(text: str) -> str:
+    """The module docstring for --help: reST's markup dropped."""
+    return re.sub(r":\w+:`([^`]+)`", r"\1", text).replace("``", "`")
+
+
+def _check_record_file(path: Path) -> None:
+    """Refuse, before anything is measured, a --record file this run could not merge into."""
+    if not path.parent.is_dir():
+        raise ValueError(f"--record: the folder {path.parent} does not exist")
+    if not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        device = recorded["env"].get("gpu")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--record: {path} is not a recorded-data file ({type(exc).__name__}: {exc})") from None
+    if device not in (None, device_name()):
+        raise ValueError(f"--record: {path} holds figures of {device}, this run would measure {device_name()}: "
+                         "record into a file of this device's own")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m ttx_tutorial.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ttx_tutorial.bench", description=_plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (the defaults below shrink)")
-    parser.add_argument("--shapes", help="B,H,T,D[,E];... or '' for none (default: the reference shapes)")
-    parser.add_argument("--sweep", help="B,H,D,E:T,T,... timed over T, or '' for none "
-                                        "(default 1,8,64,64:256,...,65536)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, of " + ", ".join(DTYPES))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
-    parser.add_argument("--methods", default=",".join(ttx_tutorial.METHODS), help="comma-separated")
-    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, '' for none")
-    parser.add_argument("--out", default="bench-results", help="directory for CSV, JSON and PNG")
+    parser.add_argument("--shapes", help="B,H,T,D[,E];... or '' for none (default: the reference shapes, "
+                                         + "; ".join(",".join(map(str, shape)) for shape in REFERENCE_SHAPES) + ")")
+    parser.add_argument("--sweep", help="B,H,D,E:T,T,... timed over T, or '' for none (default, also when "
+                                        "--shapes is given: 1,8,64,64:256,512,...,65536)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated, of " + ", ".join(DTYPES) + " (or fp32, fp16, bf16); default %(default)s")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES)
+                        + "; default both")
+    parser.add_argument("--methods", default=",".join(ttx_tutorial.METHODS),
+                        help="comma-separated, of " + ", ".join(ttx_tutorial.METHODS) + "; default all")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS)
+                        + ", or '' for none; default all (those not installed are left out)")
+    parser.add_argument("--out", default="bench-results", help="directory for CSV, JSON and PNG; default %(default)s")
     parser.add_argument("--record", type=Path, help="merge the rows into this recorded-data JSON file")
     parser.add_argument("--note", help="with --record: what a reader of the recording must know")
     args = parser.parse_args(argv)
     mode = "cpu" if _device.INTERPRETED else "gpu"
     try:
+        if args.note is not None and args.record is None:
+            raise ValueError("--note goes with --record: it is written into the recording")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out: {args.out} exists and is not a directory")
+        if args.record is not None:
+            _check_record_file(args.record)
         shapes = parse_shapes(args.shapes, "--shapes") if args.shapes is not None else (
             QUICK_SHAPES[mode] if args.quick else REFERENCE_SHAPES)
         sweep = parse_sweep(args.sweep) if args.sweep is not None else (
             QUICK_SWEEP[mode] if args.quick else SWEEP)
-        dtypes = [DTYPES[name] for name in parse_names(args.dtypes, DTYPES, "--dtypes")]
+        dtypes = [DTYPES[name] for name in parse_names(args.dtypes, DTYPES, "--dtypes", DTYPE_ALIASES)]
         modes = parse_names(args.modes, MODES, "--modes")
         methods = parse_names(args.methods, ttx_tutorial.METHODS, "--methods")
         peers = parse_names(args.peers, PEERS, "--peers")
@@ -771,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--shapes and --sweep are both empty: nothing to measure")
     except ValueError as exc:
         parser.error(str(exc))
+    if _device.INTERPRETED and not args.quick and (args.shapes is None or args.sweep is None):
+        print("CPU mode: the default shapes and sweep are GPU sizes, which Triton's interpreter takes minutes "
+              "to hours a row to run; for seconds, use --quick, or small --shapes with --sweep ''",
+              file=sys.stderr, flush=True)
     # The command as it decides the measurements: where results go does not name a recording.
     measured_args = _without_options(argv, ("--out", "--record", "--note"))
     command = shlex.join(["python", "-m", "ttx_tutorial.bench", *measured_args])
@@ -797,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nfastest of ours against the fastest peer (x ms: peer's ms over ours)\n" + summary(rows))
     print(f"\n{measured} of {len(rows)} rows measured in {env['seconds']} s; wrote "
           + ", ".join(str(path) for path in written))
+    if not measured:
+        print("nothing was measured: every row was skipped or failed (see the notes above)", file=sys.stderr)
+        return 1
     if args.record is not None:
         merged = record(args.record, rows, env, args.note)
         print(f"recorded {measured} rows in {args.record} as {env['recording']!r} "
