@@ -228,6 +228,29 @@ def test_bad_tensors_are_named():
         ttx_tutorial.causal_linear_attention(q, k.tolist(), v)
 
 
+@pytest.mark.parametrize("method", ["loop", "cumsum", "chunked", "auto"])
+@pytest.mark.parametrize("change, error, words", [
+    (lambda q, k, v: (q.to("meta"), k.to("meta"), v.to("meta")), ValueError, "meta"),
+    (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "supports dtypes"),
+    (lambda q, k, v: (q, k.bfloat16(), v), TypeError, "same dtype"),
+], ids=["meta", "int32", "mixed"])
+def test_every_method_names_the_tensors_it_cannot_take(method, change, error, words):
+    """Before the feature map or autocast looks at them (a reference's map used to fail inside
+    elu on integers, autocast on meta tensors, and a reference converted mixed dtypes)."""
+    q, k, v = change(*random_inputs(1, 2, 5, 8, 4))
+    with pytest.raises(error, match=words):
+        ttx_tutorial.causal_linear_attention(q, k, v, method=method)
+
+
+@pytest.mark.parametrize("method", ["loop", "chunked"])
+def test_return_state_and_a_shape_changing_map_are_refused(method):
+    q, k, v = random_inputs(1, 2, 5, 8, 4)
+    with pytest.raises(TypeError, match="return_state must be True or False"):
+        ttx_tutorial.causal_linear_attention(q, k, v, method=method, return_state=1)
+    with pytest.raises(ValueError, match="keep the shape"):
+        ttx_tutorial.causal_linear_attention(q, k, v, method=method, feature_map=lambda x: x[..., :3])
+
+
 # The normaliser inside the chunked kernel ----------------------------------------------------
 
 def state_after_prefix(B, H, D, E, phi, length=50):

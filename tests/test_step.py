@@ -243,6 +243,50 @@ def test_checks_skipped_for_a_known_signature_still_see_what_changes():
         ttx_tutorial.linear_attention_step(**{**arguments, "v": arguments["v"].clone().requires_grad_()})
 
 
+def test_a_known_signature_does_not_let_an_int_pass_for_a_bool():
+    """1 == True: the cached signature holds the options' types too, so normalize=1 stays refused
+    after a call with normalize=True, and eps=True after eps=1."""
+    arguments = bad_inputs()
+    with torch.no_grad():
+        ttx_tutorial.linear_attention_step(**arguments, normalize=True)
+        with pytest.raises(TypeError, match="normalize must be a bool"):
+            ttx_tutorial.linear_attention_step(**arguments, normalize=1)
+        ttx_tutorial.linear_attention_step(**arguments, eps=1)
+        with pytest.raises(TypeError, match="eps must be a Python float"):
+            ttx_tutorial.linear_attention_step(**arguments, eps=True)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"state": torch.zeros(2, 3, 8, 4)}, ValueError, r"state must be float32 \(B, H, D, E \+ 1\)"),
+    ({"state": torch.zeros(2, 3, 8, 5, dtype=torch.float64)}, ValueError, "state must be float32"),
+    ({"state": None}, TypeError, "state must be a torch.Tensor"),
+    ({"k": torch.zeros(2, 3, 8)}, TypeError, "same dtype"),
+    ({"v": torch.zeros(2, 4, 4, dtype=torch.float64)}, ValueError, "v \(B, H, E\) with the same B, H"),
+], ids=["state_shape", "state_dtype", "no_state", "mixed_dtypes", "v_heads"])
+def test_the_pytorch_path_names_bad_inputs_as_the_kernel_does(change, error, words):
+    """float64 takes the PyTorch path, which checks its inputs too (it used to fail inside einsum)."""
+    arguments = {name: (x.double() if name != "state" else x) for name, x in bad_inputs().items()}
+    arguments = {name: (x.to(ttx_tutorial.DEVICE) if isinstance(x, torch.Tensor) else x)
+                 for name, x in {**arguments, **change}.items()}
+    with torch.no_grad(), pytest.raises(error, match=words):
+        ttx_tutorial.linear_attention_step(**arguments)
+
+
+def test_the_layer_names_bad_arguments_when_built_and_called():
+    with pytest.raises(ValueError, match="unknown method 'fast'"):
+        ttx_tutorial.CausalLinearAttention(32, 2, method="fast")
+    with pytest.raises(ValueError, match="head_dim must be at most 256 for method 'auto'"):
+        ttx_tutorial.CausalLinearAttention(32, 2, head_dim=300)
+    ttx_tutorial.CausalLinearAttention(32, 2, head_dim=300, method="loop")  # the references have no limit
+    layer = ttx_tutorial.CausalLinearAttention(32, 2).to(ttx_tutorial.DEVICE)
+    x = torch.randn(2, 5, 32, device=ttx_tutorial.DEVICE)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="return_state must be True or False"):
+            layer(x, return_state=1)
+        with pytest.raises(TypeError, match="state must be a torch.Tensor"):
+            layer.step(x[:, 0], None)
+
+
 # --------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ from torch import nn
 from . import ops
 from ._device import DEVICE
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
-from .api import AUTO, METHODS, causal_product, choose_method, method_info
+from .api import AUTO, MAX_HEAD_DIM, METHODS, causal_product, choose_method, method_info
 from .kernels import chunked as _chunked
 from .kernels import feature_map as _feature_map
 from .kernels import recurrent as _recurrent
@@ -198,16 +198,35 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
     feature = feature_map_function(feature_map)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False, got {return_state!r}")
     _check_eps(eps)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if v.dim() != 4:
-        raise ValueError(f"v must have 4 dimensions (B, H, T, E), got shape {tuple(v.shape)}")
-    if normalize and isinstance(initial_state, torch.Tensor) and initial_state.shape[-1:] != (v.shape[-1] + 1,):
+    if v.dim() != 4 or q.dim() != 4:
+        name, x = ("v", v) if v.dim() != 4 else ("q", q)
+        raise ValueError(f"{name} must have 4 dimensions (B, H, T, {'E' if name == 'v' else 'D'}), "
+                         f"got shape {tuple(x.shape)}")
+    if normalize and isinstance(initial_state, torch.Tensor):
+        expected = (*q.shape[:2], q.shape[-1], v.shape[-1] + 1)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(f"initial_state must have shape (B, H, D, E + 1), z as the last column, = "
+                             f"{expected}, got {tuple(initial_state.shape)}")
+    if not _is_kernel_method(method):
+        # The references map q and k with PyTorch before causal_product checks them: checked
+        # here first, so that a dtype or device they cannot take is named, not failed inside the map.
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, one of {METHODS} or {AUTO!r}; got {type(method).__name__}")
+        info = method_info(method)
+        state_s = initial_state[..., :-1] if normalize and isinstance(initial_state, torch.Tensor) else initial_state
+        check_inputs(q, k, v, state_s, method=method, dtypes=info.dtypes, max_head_dim=info.max_head_dim,
+                     expected_device=None)
+    elif normalize and torch.compiler.is_compiling() and method in ("recurrent", "scan") \
+            and v.shape[-1] + 1 > MAX_HEAD_DIM:
         raise ValueError(
-            f"initial_state of a normalised attention is (B, H, D, E + 1) with z as its last column "
-            f"(E + 1 = {v.shape[-1] + 1}); got shape {tuple(initial_state.shape)}")
+            f"under torch.compile, method {method!r} normalises through a column of ones appended to v, "
+            f"so E + 1 <= {MAX_HEAD_DIM}: E = {v.shape[-1]} runs eagerly, or compiled with 'chunked' or 'auto'")
 
     cast = ops.autocast_dtype(q)
     out_dtype = q.dtype if cast is None else cast
@@ -243,6 +262,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
             phi_q, phi_k = _features(feature_map, feature, q, k)
         else:  # the PyTorch references keep PyTorch's map: the kernels are checked against them
             phi_q, phi_k = feature(q), feature(k)
+            for name, x, phi in (("q", q, phi_q), ("k", k, phi_k)):
+                if not isinstance(phi, torch.Tensor) or phi.shape != x.shape:
+                    raise ValueError(f"feature_map must keep the shape of {name} {tuple(x.shape)}, "
+                                     f"got {getattr(phi, 'shape', type(phi).__name__)}")
         if normalize:
             ones = v.new_ones((*v.shape[:-1], 1))
             v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
@@ -251,6 +274,27 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
             o = o[..., :-1] / (o[..., -1:] + eps)
     out = o.to(out_dtype)
     return (out, state) if return_state else out
+
+
+def _check_step_inputs(q, k, v, state, normalize):
+    """The PyTorch path's checks, as the step kernel's (whose dtypes and device it does not need)."""
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be (B, H, D) of one shape and v (B, H, E) with the same B, H; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    expected = (*q.shape, v.shape[-1] + normalize)
+    if tuple(state.shape) != expected or state.dtype != torch.float32 or state.device != q.device:
+        layout = "(B, H, D, E + 1) with z as its last column" if normalize else "(B, H, D, E)"
+        raise ValueError(f"state must be float32 {layout} = {expected} on {q.device}, got {state.dtype} "
+                         f"{tuple(state.shape)} on {state.device}")
 
 
 def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
@@ -275,6 +319,7 @@ def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, 
             q, k, feature_map = feature(q), feature(k), "identity"
         return _step.step_update(q, k, v, state, feature_map=feature_map, normalize=normalize, eps=eps)
     # The PyTorch path: the same update and product, in float32 like the state.
+    _check_step_inputs(q, k, v, state, normalize)
     _step._check_no_gradient(q, k, v, state)
     _check_eps(eps)
     feature = feature_map_function(feature_map)
@@ -322,6 +367,12 @@ class CausalLinearAttention(nn.Module):
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         feature_map_function(feature_map)
         _check_eps(eps)
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, one of {METHODS} or {AUTO!r}; got {type(method).__name__}")
+        if method != AUTO:
+            method_info(method)  # names an unknown method now, not at the first forward
+        if _is_kernel_method(method) and head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM} for method {method!r}, got {head_dim}")
         self.heads, self.head_dim = heads, head_dim
         self.feature_map, self.eps, self.method = feature_map, eps, method
         inner = heads * head_dim
@@ -337,6 +388,8 @@ class CausalLinearAttention(nn.Module):
 
     def forward(self, x, state=None, *, return_state=False):
         """x: (B, T, dim) -> (B, T, dim); ``state`` continues from earlier tokens (see class)."""
+        if not isinstance(return_state, bool):
+            raise TypeError(f"return_state must be True or False, got {return_state!r}")
         if x.dim() != 3:
             raise ValueError(f"x must have 3 dimensions (batch, seq, dim), got shape {tuple(x.shape)}")
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
@@ -357,6 +410,9 @@ class CausalLinearAttention(nn.Module):
         if x.dim() != 2:
             raise ValueError(f"x must have 2 dimensions (batch, dim) for one token, got shape {tuple(x.shape)}")
         expected = (x.shape[0], self.heads, self.head_dim, self.head_dim + 1)
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"state must be a torch.Tensor {expected} float32 (forward(..., return_state=True) "
+                            f"or initial_state(batch) makes one), got {type(state).__name__}")
         if tuple(state.shape) != expected or state.dtype != torch.float32:
             raise ValueError(f"state must be float32 of shape {expected}, got {state.dtype} {tuple(state.shape)}")
         shape = (x.shape[0], self.heads, self.head_dim)

@@ -386,7 +386,7 @@ def _check_inputs_cached(q, k, v, state, feature_map, normalize, eps):
             and not (q.is_nested or k.is_nested or v.is_nested or state.is_nested)):
         signature = (q.shape, k.shape, v.shape, state.shape, q.dtype, k.dtype, v.dtype, state.dtype,
                      q.layout, k.layout, v.layout, state.layout, q.device, k.device, v.device,
-                     state.device, feature_map, normalize, eps)
+                     state.device, feature_map, normalize, type(normalize), eps, type(eps))  # 1 == True
         if signature in _ACCEPTED and state.is_contiguous():
             _check_no_gradient(q, k, v, state)
             return
