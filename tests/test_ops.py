@@ -241,3 +241,57 @@ def test_gpu_reduce_overhead_matches_eager(method):
         # ttx_tutorial.ops) and may take another path to the same gradients, rounded differently.
         for name, a, b in zip(names, (*outputs, *compiled_grads), (*eager, *eager_grads)):
             assert_close(a, b, torch.bfloat16, name)
+
+
+# The generation step as an operator -----------------------------------------------------------
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_opcheck(normalize, dtype):
+    """The state declared as mutated, the fake output's shape and dtype, no autograd to register."""
+    q, k, v = (torch.randn(2, 3, 8, dtype=dtype, device=ttx_tutorial.DEVICE) for _ in range(3))
+    state = torch.zeros(2, 3, 8, 8 + normalize, device=ttx_tutorial.DEVICE)
+    torch.library.opcheck(ops.linear_attention_step_op, (q, k, v, state, "elu", normalize, 1e-6))
+
+
+def decode(layer, prompt, tokens, step):
+    """Prefill, then one ``step`` a token: the outputs and the state after each."""
+    with torch.no_grad():
+        _, state = layer(prompt, return_state=True)
+        outputs = []
+        for token in tokens:
+            outputs.append(step(token, state))
+        return torch.stack(outputs), state
+
+
+@pytest.mark.parametrize("feature_map", ["elu", torch.nn.functional.softplus], ids=["elu", "callable"])
+def test_compiled_step_matches_eager_in_one_graph(feature_map):
+    """A compiled decode step (fullgraph: a break would raise) updates the state as the eager one."""
+    torch.manual_seed(3)
+    layer = ttx_tutorial.CausalLinearAttention(32, 2, feature_map=feature_map).to(ttx_tutorial.DEVICE)
+    prompt = torch.randn(2, 7, 32, device=ttx_tutorial.DEVICE)
+    tokens = torch.randn(4, 2, 32, device=ttx_tutorial.DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.step, fullgraph=True)
+    eager_outputs, eager_state = decode(layer, prompt, tokens, layer.step)
+    compiled_outputs, compiled_state = decode(layer, prompt, tokens, compiled)
+    assert_close(compiled_outputs, eager_outputs, torch.float32, "outputs")
+    assert_close(compiled_state, eager_state, torch.float32, "state")
+    with torch.no_grad():
+        graph = torch._dynamo.explain(layer.step)(tokens[0], eager_state.clone())
+    assert graph.graph_count == 1 and graph.graph_break_count == 0
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_step_matches_eager():
+    """The compiled step under mode="reduce-overhead", token after token, equal to eager."""
+    torch.manual_seed(4)
+    layer = ttx_tutorial.CausalLinearAttention(1024, 16).to("cuda", torch.bfloat16)
+    prompt = torch.randn(8, 33, 1024, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.randn(6, 8, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.step, fullgraph=True, mode="reduce-overhead")
+    eager_outputs, eager_state = decode(layer, prompt, tokens, layer.step)
+    compiled_outputs, compiled_state = decode(layer, prompt, tokens, compiled)
+    assert_close(compiled_outputs, eager_outputs, torch.bfloat16, "outputs")
+    assert_close(compiled_state, eager_state, torch.float32, "state")

@@ -310,13 +310,17 @@ def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, 
     float16 and bfloat16 tensors on the kernels' device; named feature maps are computed in the
     kernel, a callable one by PyTorch first. Other dtypes (float64) and tensors on another
     device take a PyTorch path of a few operations. Either way no host synchronisation and a
-    fixed memory footprint: a CUDA graph can capture it.
+    fixed memory footprint: a CUDA graph can capture it. While torch.compile traces, the kernel
+    path is the operator ``torch.ops.ttx_tutorial.linear_attention_step`` (``ttx_tutorial.ops``).
     """
     # Anything but a tensor goes to the kernel's checks, which name it.
     if not isinstance(q, torch.Tensor) or (q.dtype in _STEP_KERNEL_DTYPES and q.is_cuda is _KERNEL_ON_CUDA):
         if type(feature_map) is not str:  # a callable: mapped here, the kernel takes them as they are
             feature = feature_map_function(feature_map)
             q, k, feature_map = feature(q), feature(k), "identity"
+        if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops; checked as it runs
+            _step._check_no_gradient(q, k, v, state)
+            return ops.linear_attention_step_op(q, k, v, state, feature_map, normalize, eps)
         return _step.step_update(q, k, v, state, feature_map=feature_map, normalize=normalize, eps=eps)
     # The PyTorch path: the same update and product, in float32 like the state.
     _check_step_inputs(q, k, v, state, normalize)

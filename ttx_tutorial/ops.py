@@ -21,6 +21,10 @@ The normalised attention of ``causal_linear_attention`` ("chunked", or "auto") i
 applied before, in the graph). Its forward returns the (B, H, T) float32 denominator beside the
 output and the (B, H, D, E + 1) state, so that the backward, the chunked kernel file's, reads
 only saved tensors: no second forward, whichever method "auto" chose.
+
+The generation step is a third, ``ttx_tutorial::linear_attention_step``: it updates the state
+in place (declared as a mutated argument) and returns the token's output, with no autograd
+(the step is inference only), so that a compiled decode loop holds it as one node.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels import chunked, recurrent
+from .kernels import chunked, recurrent, step
 
 #: Methods whose backward reads only q, k, v and S_0: their autograd Function's backward runs on
 #: the inputs the operator saved, with no second forward pass.
@@ -311,3 +315,20 @@ def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
     if x.dtype == torch.float64 or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+@torch.library.custom_op("ttx_tutorial::linear_attention_step", mutates_args=("state",))
+def _linear_attention_step_op(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_map: str,
+                              normalize: bool, eps: float) -> Tensor:
+    with _on_tensors_device(q):
+        return step.step_update(q, k, v, state, feature_map=feature_map, normalize=normalize, eps=eps)
+
+
+@_linear_attention_step_op.register_fake
+def _(q, k, v, state, feature_map, normalize, eps):
+    return q.new_empty((*q.shape[:2], v.shape[-1]))
+
+
+#: The registered step, ``torch.ops.ttx_tutorial.linear_attention_step.default``:
+#: (q, k, v, state, feature_map, normalize, eps) -> o, with ``state`` updated in place.
+linear_attention_step_op = torch.ops.ttx_tutorial.linear_attention_step.default
