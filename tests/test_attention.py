@@ -812,3 +812,58 @@ def test_gpu_step_replays_from_a_cuda_graph():
             graph.replay()
             assert_close(y, layer.step(x, eager_state), torch.bfloat16, "replayed output")
             assert_close(state, eager_state, torch.float32, "replayed state")
+
+
+# Packed sequences ------------------------------------------------------------------------------
+
+PACKED_LENGTHS = (5, 0, 17, 9)
+
+
+def packed_reference(q, k, v, s0, lengths, eps):
+    """Each sequence on its own through attention64 (float64 inputs, on the CPU), outputs packed
+    back, one state each."""
+    outputs, states, start = [], [], 0
+    for n, length in enumerate(lengths):
+        part = slice(start, start + length)
+        out, state = attention64(q[:, :, part], k[:, :, part], v[:, :, part], lambda x: F.elu(x) + 1, True, eps,
+                                 s0[n:n + 1])
+        outputs.append(out)
+        states.append(state)
+        start += length
+    return torch.cat(outputs, dim=2), torch.cat(states, dim=0)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_packed_sequences_match_each_sequence_alone(method):
+    """cu_seqlens: no state crosses a boundary, an empty sequence keeps its S_0, gradients too
+    (recurrent and scan normalise in their kernels, the others through the ones column)."""
+    offsets = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], device=ttx_tutorial.DEVICE)
+    q, k, v = random_inputs(1, 2, sum(PACKED_LENGTHS), 8, 6, seed=31, requires_grad=True)
+    s0 = torch.rand(len(PACKED_LENGTHS), 2, 8, 7, device=ttx_tutorial.DEVICE, requires_grad=True)
+    out, state = ttx_tutorial.causal_linear_attention(q, k, v, method=method, initial_state=s0, return_state=True,
+                                                      cu_seqlens=offsets)
+    leaves = [float64(x).requires_grad_() for x in (q, k, v, s0)]
+    expected_out, expected_state = packed_reference(*leaves, PACKED_LENGTHS, 1e-6)
+    assert_close(out, expected_out, torch.float32, "out")
+    assert_close(state, expected_state, torch.float32, "state")
+    grad_out, grad_state = torch.randn_like(out), torch.randn_like(state)
+    found = torch.autograd.grad((out, state), (q, k, v, s0), (grad_out, grad_state))
+    expected = torch.autograd.grad((expected_out, expected_state), leaves, (float64(grad_out), float64(grad_state)))
+    for name, a, b in zip(("dq", "dk", "dv", "ds0"), found, expected):
+        assert_close(a, b, torch.float32, name)
+
+
+def test_the_layer_takes_packed_sequences():
+    """A packed batch through the layer equals each sequence through it alone, states included."""
+    torch.manual_seed(5)
+    layer = ttx_tutorial.CausalLinearAttention(16, 2).to(ttx_tutorial.DEVICE)
+    x = torch.randn(1, sum(PACKED_LENGTHS), 16, device=ttx_tutorial.DEVICE)
+    offsets = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], device=ttx_tutorial.DEVICE)
+    with torch.no_grad():
+        y, state = layer(x, return_state=True, cu_seqlens=offsets)
+        start = 0
+        for n, length in enumerate(PACKED_LENGTHS):
+            alone, alone_state = layer(x[:, start:start + length], return_state=True)
+            assert_close(y[:, start:start + length], alone, torch.float32, f"sequence {n}")
+            assert_close(state[n:n + 1], alone_state, torch.float32, f"state {n}")
+            start += length

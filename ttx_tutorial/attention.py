@@ -107,17 +107,26 @@ def _compute_dtype(dtype, normalize):
 _NORMALIZING_KERNEL_FILES = {"chunked": _chunked, "recurrent": _recurrent, "scan": _scan}
 
 
-def _normalizing_kernel(method, q, k, v, initial_state):
+def _normalizing_kernel(method, q, k, v, initial_state, cu_seqlens=None):
     """The kernel file whose kernels compute the normaliser, or None: "recurrent" and "scan" (not
     while torch.compile traces: there they keep the ones column of the product's operator),
     "chunked", or the kernel file of the method "auto" picks (while torch.compile traces, "auto"
     always: its operator chooses at run time). Checks the inputs (as the kernel file does, with
-    the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them."""
+    the normalised state's (B, H, D, E + 1) layout) before "auto" looks at them. Packed sequences
+    (``cu_seqlens``) have their normaliser in recurrent's and scan's kernels only: "chunked", and
+    "auto" where it picks chunked, then take the ones column of the product."""
     if method in ("recurrent", "scan") and not torch.compiler.is_compiling():
-        _NORMALIZING_KERNEL_FILES[method].check_inputs(q, k, v, initial_state, method, normalized=True)
+        _NORMALIZING_KERNEL_FILES[method].check_inputs(q, k, v, initial_state, method, cu_seqlens=cu_seqlens,
+                                                       normalized=True)
         return _NORMALIZING_KERNEL_FILES[method]
     if method not in ("chunked", AUTO):
         return None
+    if cu_seqlens is not None:
+        if method == "chunked" or torch.compiler.is_compiling():
+            return None
+        _scan.check_inputs(q, k, v, initial_state, method, cu_seqlens=cu_seqlens, normalized=True)
+        choice = choose_method(q, v, cu_seqlens)
+        return None if choice == "chunked" else _NORMALIZING_KERNEL_FILES[choice]
     if torch.compiler.is_compiling():
         # The API's checks, which the compiler can trace (the kernel file asks Triton's settings
         # for the device). The state's last column, z, was checked by the caller: the rest is S's.
@@ -174,7 +183,7 @@ _KERNEL_ON_CUDA = DEVICE.type == "cuda"
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1e-6, method=AUTO,
-                            initial_state=None, return_state=False):
+                            initial_state=None, return_state=False, cu_seqlens=None):
     """Causal linear attention: out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps).
 
     Args:
@@ -190,6 +199,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         initial_state: the state after earlier tokens, float32: (B, H, D, E + 1) when
             normalising (S, then z as the last column), (B, H, D, E) otherwise; None for zeros.
         return_state: also return the state after the last token, in the same layout.
+        cu_seqlens: optional (N + 1,) offsets of N sequences packed along T of a batch of one,
+            as for ``causal_product``: the states are then one per sequence, (N, H, D, E + 1).
+            "recurrent" and "scan" normalise packed sequences inside their kernels; the other
+            methods (and "auto" where it picks "chunked") append the column of ones.
 
     Returns:
         out (B, H, T, E) in the dtype of the inputs (autocast's dtype under autocast), or
@@ -209,7 +222,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         raise ValueError(f"{name} must have 4 dimensions (B, H, T, {'E' if name == 'v' else 'D'}), "
                          f"got shape {tuple(x.shape)}")
     if normalize and isinstance(initial_state, torch.Tensor):
-        expected = (*q.shape[:2], q.shape[-1], v.shape[-1] + 1)
+        states = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 \
+            else q.shape[0]
+        expected = (states, q.shape[1], q.shape[-1], v.shape[-1] + 1)
         if tuple(initial_state.shape) != expected:
             raise ValueError(f"initial_state must have shape (B, H, D, E + 1), z as the last column, = "
                              f"{expected}, got {tuple(initial_state.shape)}")
@@ -221,7 +236,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         info = method_info(method)
         state_s = initial_state[..., :-1] if normalize and isinstance(initial_state, torch.Tensor) else initial_state
         check_inputs(q, k, v, state_s, method=method, dtypes=info.dtypes, max_head_dim=info.max_head_dim,
-                     expected_device=None)
+                     expected_device=None, cu_seqlens=cu_seqlens)
     elif normalize and torch.compiler.is_compiling() and method in ("recurrent", "scan") \
             and v.shape[-1] + 1 > MAX_HEAD_DIM:
         raise ValueError(
@@ -232,7 +247,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
     out_dtype = q.dtype if cast is None else cast
     # Off for the product: it would cast float32 back to autocast's float16 (module docstring).
     no_autocast = torch.autocast(q.device.type, enabled=False) if cast is not None else contextlib.nullcontext()
-    kernel_file = _normalizing_kernel(method, q, k, v, initial_state) if normalize else None
+    kernel_file = _normalizing_kernel(method, q, k, v, initial_state, cu_seqlens) if normalize else None
     if kernel_file is not None:
         q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
         if initial_state is not None:
@@ -251,8 +266,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
             if torch.compiler.is_compiling():  # one graph node, see ttx_tutorial.ops
                 out, state, _ = ops.normalized_causal_product_op(phi_q, phi_k, v, initial_state, float(eps), method)
             else:
+                packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
                 with _on_tensors_device(q):
-                    out, state = kernel_file._run_normalized_validated(phi_q, phi_k, v, initial_state, eps)
+                    out, state = kernel_file._run_normalized_validated(phi_q, phi_k, v, initial_state, eps, **packed)
         return (out, state) if return_state else out
 
     compute_dtype = _compute_dtype(out_dtype, normalize)
@@ -269,7 +285,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if normalize:
             ones = v.new_ones((*v.shape[:-1], 1))
             v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
-        o, state = causal_product(phi_q, phi_k, v, method, initial_state=initial_state, return_state=True)
+        o, state = causal_product(phi_q, phi_k, v, method, initial_state=initial_state, return_state=True,
+                                  cu_seqlens=cu_seqlens)
         if normalize:
             o = o[..., :-1] / (o[..., -1:] + eps)
     out = o.to(out_dtype)
@@ -390,15 +407,18 @@ class CausalLinearAttention(nn.Module):
         """(B, T, heads * head_dim) -> (B, heads, T, head_dim), a view."""
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x, state=None, *, return_state=False):
-        """x: (B, T, dim) -> (B, T, dim); ``state`` continues from earlier tokens (see class)."""
+    def forward(self, x, state=None, *, return_state=False, cu_seqlens=None):
+        """x: (B, T, dim) -> (B, T, dim); ``state`` continues from earlier tokens (see class).
+        ``cu_seqlens``: N sequences packed along T of a batch of one, x (1, total_T, dim), as
+        :func:`causal_linear_attention` takes them; the states are then (N, heads, d, d + 1)."""
         if not isinstance(return_state, bool):
             raise TypeError(f"return_state must be True or False, got {return_state!r}")
         if x.dim() != 3:
             raise ValueError(f"x must have 3 dimensions (batch, seq, dim), got shape {tuple(x.shape)}")
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         o, state = causal_linear_attention(q, k, v, feature_map=self.feature_map, eps=self.eps,
-                                           method=self.method, initial_state=state, return_state=True)
+                                           method=self.method, initial_state=state, return_state=True,
+                                           cu_seqlens=cu_seqlens)
         y = self.out_proj(o.transpose(1, 2).flatten(2))
         return (y, state) if return_state else y
 
