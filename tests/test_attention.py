@@ -867,3 +867,31 @@ def test_the_layer_takes_packed_sequences():
             assert_close(y[:, start:start + length], alone, torch.float32, f"sequence {n}")
             assert_close(state[n:n + 1], alone_state, torch.float32, f"state {n}")
             start += length
+
+
+@pytest.mark.parametrize("method, kernel_file", [("recurrent", "recurrent"), ("scan", "scan"), ("chunked", None)])
+def test_recurrent_and_scan_normalise_packed_sequences_in_their_kernels(method, kernel_file, monkeypatch):
+    """The ones column is for the methods without a packed normaliser of their own."""
+    from ttx_tutorial import attention
+    called = []
+    for name, module in (("recurrent", attention._recurrent), ("scan", attention._scan)):
+        original = module._run_normalized_validated
+        monkeypatch.setattr(module, "_run_normalized_validated",
+                            lambda *a, _name=name, _original=original, **kw: called.append(_name) or _original(*a, **kw))
+    offsets = torch.tensor([0, 3, 10], device=ttx_tutorial.DEVICE)
+    q, k, v = random_inputs(1, 2, 10, 8, 6, seed=32)
+    ttx_tutorial.causal_linear_attention(q, k, v, method=method, cu_seqlens=offsets)
+    assert called == ([kernel_file] if kernel_file else [])
+
+
+def test_packed_sequences_as_wide_as_the_kernels_take():
+    """E = 256 packed: no room for a ones column, so "chunked" says so and "auto" takes a kernel
+    that normalises packed sequences itself."""
+    offsets = torch.tensor([0, 2, 5], device=ttx_tutorial.DEVICE)
+    q, k, v = random_inputs(1, 1, 5, 4, 256, seed=33)
+    with pytest.raises(ValueError, match=r"E \+ 1 <= 256; E = 256 runs with 'recurrent' or 'scan'"):
+        ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", cu_seqlens=offsets)
+    s0 = torch.zeros(2, 1, 4, 257, device=ttx_tutorial.DEVICE)
+    out = ttx_tutorial.causal_linear_attention(q, k, v, cu_seqlens=offsets)
+    expected, _ = packed_reference(*(float64(x) for x in (q, k, v, s0)), (2, 3), 1e-6)
+    assert_close(out, expected, torch.float32, "out")

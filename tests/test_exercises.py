@@ -107,6 +107,8 @@ EXERCISES = {
          "the first 16 tokens are right"),
         ("diagonal_masked_out_keeps_order", [("causal = offs_c[:, None] >= offs_c[None, :]",
                                               "causal = offs_c[:, None] > offs_c[None, :]")], "`>=`"),
+        ("store_mask_off_by_one", [("        mask_te = (rows[:, None] < T) & (offs_e[None, :] < E)",
+                                    "        mask_te = (rows[:, None] <= T) & (offs_e[None, :] < E)")], "written `<=`"),
         ("state_rounded_to_16_bits", [("state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")",
                                        "state = (state + tl.dot(tl.trans(k), v, input_precision=\"ieee\"))"
                                        ".to(q.dtype).to(tl.float32)")], "16 bits"),
@@ -281,7 +283,8 @@ def test_unbalanced_markers_are_refused(text):
     ("### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n", GRADE_CELL, "not marked as a solution cell"),
     ("### BEGIN HIDDEN TESTS\nassert True\n### END HIDDEN TESTS\n", SOLUTION_CELL, "not marked as a grade cell"),
     ("### BEGIN HIDDEN TESTS\nassert True\n### END HIDDEN TESTS\n",
-     {"nbgrader": {**GRADE_CELL["nbgrader"], "points": 0}}, "not marked as a grade cell with points"),
+     {"nbgrader": {key: value for key, value in GRADE_CELL["nbgrader"].items() if key != "points"}},
+     "not marked as a grade cell with its points"),
 ])
 def test_regions_outside_their_kind_of_cell_are_refused_as_nbgrader_does(text, marks, words):
     with pytest.raises(ValueError, match=words):

@@ -102,6 +102,7 @@ def test_a_gradient_of_a_gradient_is_refused(loss, device):
     ({"k": torch.zeros(1, 2, 10, 8, dtype=torch.float16)}, TypeError, "same dtype"),
     ({"q": torch.zeros(1, 2, 10, 8, dtype=torch.float64), "k": torch.zeros(1, 2, 10, 8, dtype=torch.float64)},
      TypeError, "support dtypes float32, float16, bfloat16"),
+    ({"q": torch.zeros(1, 2, 10, 257), "k": torch.zeros(1, 2, 10, 257)}, ValueError, r"1 <= D <= 256 .* got D=257"),
 ])
 def test_bad_inputs_are_named(change, error, words, device):
     arguments = {"q": torch.zeros(1, 2, 10, 8), "k": torch.zeros(1, 2, 10, 8), "feature_map": "elu", **change}

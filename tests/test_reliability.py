@@ -545,4 +545,3 @@ def test_a_kernel_file_refuses_an_interpreter_switched_on_after_its_import(name,
     child = run_python(script, timeout=300, TTX_TUTORIAL_DEVICE="cpu")
     assert "refused: Triton's interpreter was switched on after this file was imported" in child.stdout, \
         child.stdout + child.stderr
-

@@ -122,10 +122,19 @@ def _normalizing_kernel(method, q, k, v, initial_state, cu_seqlens=None):
     if method not in ("chunked", AUTO):
         return None
     if cu_seqlens is not None:
+        wide = v.shape[-1] + 1 > MAX_HEAD_DIM  # a ones column would not fit beside v
         if method == "chunked" or torch.compiler.is_compiling():
+            if wide:
+                raise ValueError(
+                    f"packed sequences: method {method!r} normalises them through a column of ones appended "
+                    f"to v, so E + 1 <= {MAX_HEAD_DIM}; E = {v.shape[-1]} runs with 'recurrent' or 'scan'"
+                    + (" (eagerly: under torch.compile they take the ones column too)"
+                       if torch.compiler.is_compiling() else ""))
             return None
         _scan.check_inputs(q, k, v, initial_state, method, cu_seqlens=cu_seqlens, normalized=True)
         choice = choose_method(q, v, cu_seqlens)
+        if choice == "chunked" and wide:  # the kernels that normalise packed sequences themselves
+            choice = "scan"
         return None if choice == "chunked" else _NORMALIZING_KERNEL_FILES[choice]
     if torch.compiler.is_compiling():
         # The API's checks, which the compiler can trace (the kernel file asks Triton's settings
@@ -221,13 +230,14 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         name, x = ("v", v) if v.dim() != 4 else ("q", q)
         raise ValueError(f"{name} must have 4 dimensions (B, H, T, {'E' if name == 'v' else 'D'}), "
                          f"got shape {tuple(x.shape)}")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
     if normalize and isinstance(initial_state, torch.Tensor):
-        states = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 \
-            else q.shape[0]
-        expected = (states, q.shape[1], q.shape[-1], v.shape[-1] + 1)
+        packed = cu_seqlens is not None and cu_seqlens.dim() == 1
+        expected = (cu_seqlens.shape[0] - 1 if packed else q.shape[0], q.shape[1], q.shape[-1], v.shape[-1] + 1)
         if tuple(initial_state.shape) != expected:
-            raise ValueError(f"initial_state must have shape (B, H, D, E + 1), z as the last column, = "
-                             f"{expected}, got {tuple(initial_state.shape)}")
+            raise ValueError(f"initial_state must have shape ({'N sequences' if packed else 'B'}, H, D, E + 1), "
+                             f"z as the last column, = {expected}, got {tuple(initial_state.shape)}")
     if not _is_kernel_method(method):
         # The references map q and k with PyTorch before causal_product checks them: checked
         # here first, so that a dtype or device they cannot take is named, not failed inside the map.

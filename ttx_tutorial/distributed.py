@@ -47,7 +47,6 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import _device, api
-from .kernels import chunked as _chunked
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, REFERENCE_DTYPES, check_inputs
 
 __all__ = ["Traffic", "causal_product", "communication_bytes", "count_communication"]
@@ -169,8 +168,7 @@ class _SliceState(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_state):
-        if torch.is_grad_enabled():  # create_graph=True: this backward is bilinear in k, v and G, untracked
-            raise RuntimeError(_chunked.SECOND_ORDER_REFUSAL)
+        # PyTorch operations only: with create_graph=True autograd records them, second order included.
         k, v = ctx.saved_tensors
         # dk_t = G v_t and dv_t = G^T k_t, G the state's gradient. bfloat16 inputs take G in
         # bfloat16 (float32's range; the gradients are bfloat16 anyway); float16's range could

@@ -301,7 +301,10 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                 f"`&` for a 2-D block)." if tail else
                 " A store needs a mask on every dimension its block can overrun (`offs < n`, combined with `&` "
                 "for a 2-D block).")
-        if out.numel() and n_outside == out.numel() // out.shape[row_dim]:
+        # One row past the end of every sequence (only the last sequence's spills outside when
+        # sequences lie one after another) or of the whole output.
+        one_row = (out.numel() // (out.shape[0] * out.shape[row_dim]), out.numel() // out.shape[row_dim])
+        if out.numel() and n_outside in one_row:
             hint += f" Exactly one row of {row_name} past the end: is a mask written `<=` where it needs `<`?"
         hint += " (Or the store uses another tensor's strides.)"
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
@@ -344,7 +347,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): it used lanes "
                       f"that a mask switched off in a load without `other=`, whose values a GPU leaves undefined "
                       f"(the checker fills them with NaN). Give such loads `other=0.0`.")
-    if torch.isnan(out).any() and _device.INTERPRETED and interpreted_bfloat16:
+    if torch.isnan(out).any() and interpreted_bfloat16:
         raise Failure(f"the output holds NaN although every input is finite and every load stayed inside its "
                       f"input ({case.describe()}): Triton's interpreter gets arithmetic on bfloat16 values wrong "
                       f"(a GPU does not). Convert bfloat16 loads with `.to(tl.float32)` before any arithmetic.")

@@ -70,9 +70,9 @@ def _check_marked(cell, text: str, where: str) -> None:
         raise ValueError(f"{where}: a solution region in a cell not marked as a solution cell "
                          f"(metadata.nbgrader.solution); nbgrader refuses it")
     if any(line.strip() == BEGIN_HIDDEN for line in text.splitlines()):
-        if not marks.get("grade") or not marks.get("points"):
-            raise ValueError(f"{where}: hidden tests in a cell not marked as a grade cell with points "
-                             f"(metadata.nbgrader.grade, .points); nbgrader refuses it")
+        if not marks.get("grade") or marks.get("points") is None:
+            raise ValueError(f"{where}: hidden tests in a cell not marked as a grade cell with its points "
+                             f"(metadata.nbgrader.grade, .points); nbgrader needs both")
 
 
 def student_version(notebook: dict, *, name: str = "notebook") -> dict:
