@@ -244,13 +244,19 @@ def launch_error(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """One launch: sizes, dtype and whether inputs (``transposed``) and the output
-    (``output_transposed``, by default as the inputs) are laid out transposed."""
+    """One launch: sizes, dtype and whether inputs (``transposed``; with several, every other one)
+    and the output (``output_transposed``, by default as the inputs) are laid out transposed."""
 
     sizes: dict
     dtype: torch.dtype = torch.float32
     transposed: bool = False
     output_transposed: bool | None = None
+    #: With ``transposed``, which inputs of several: the even-numbered (0, 2, ...) or the odd-numbered.
+    odd_inputs: bool = False
+
+    def input_transposed(self, index: int) -> bool:
+        """Whether input number ``index`` is laid out transposed (a single input: index 0)."""
+        return self.transposed and (index % 2 == 1) == self.odd_inputs
 
     @property
     def out_transposed(self) -> bool:
@@ -306,7 +312,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         one_row = (out.numel() // (out.shape[0] * out.shape[row_dim]), out.numel() // out.shape[row_dim])
         if out.numel() and n_outside in one_row:
             hint += f" Exactly one row of {row_name} past the end: is a mask written `<=` where it needs `<`?"
-        hint += " (Or the store uses another tensor's strides.)"
+        hint += " (Or the store uses another tensor's strides, or adds the program's offset twice.)"
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
         where = f" ({overruns})" if overruns else ""
@@ -315,7 +321,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         raise Failure(f"loads read {read_outside} element(s) past the edge of an input{where} ({case.describe()}): "
                       f"the checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
                       f"(on a GPU such a read can fault). Every load needs a mask on each dimension its block can "
-                      f"overrun (`offs < n`, combined with `&` for a 2-D block).{below}")
+                      f"overrun (`offs < n`, combined with `&` for a 2-D block).{below} (Or the address uses "
+                      f"another dimension's or another tensor's stride.)")
     unwritten = out == UNWRITTEN
     interpreted_bfloat16 = case.dtype == torch.bfloat16 and _device.INTERPRETED
     if unwritten.any() and interpreted_bfloat16 and any(c.dtype == torch.float32 for c in passed):
@@ -328,7 +335,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                       f"does it store to another pointer?")
     if unwritten.any() and dim_names is not None and _unwritten_slices(unwritten, dim_names):
         raise Failure(f"part of the output was never written ({case.describe()}): "
-                      f"{_unwritten_slices(unwritten, dim_names)} still hold the checker's poison. Does every "
+                      f"{_unwritten_slices(unwritten, dim_names)} (every element of it) still holds the checker's "
+                      f"poison. Does every "
                       f"program add its own offset (its program id times the stride) to the addresses?")
     if unwritten.any():
         rows = unwritten.movedim(row_dim, 0).reshape(out.shape[row_dim], -1).any(dim=1)
@@ -341,8 +349,9 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         if not hint and case.dtype == torch.bfloat16 and _device.INTERPRETED:
             hint = (" (Or they were written as inf: Triton's interpreter gets arithmetic on bfloat16 values "
                     "wrong, so convert bfloat16 loads with `.to(tl.float32)` before any arithmetic.)")
-        raise Failure(f"part of the output was never written ({case.describe()}): {row_name} {shown} "
-                      f"still hold the checker's poison.{hint}")
+        name, verb = (row_name.rstrip("s"), "still holds") if len(missing) == 1 else (row_name, "still hold")
+        raise Failure(f"part of the output was never written ({case.describe()}): {name} {shown} "
+                      f"{verb} the checker's poison.{hint}")
     if torch.isnan(out).any() and undefined:
         raise Failure(f"the output holds NaN although every input is finite ({case.describe()}): it used lanes "
                       f"that a mask switched off in a load without `other=`, whose values a GPU leaves undefined "
@@ -372,9 +381,9 @@ def precision_failure(case: Case, error: float, passed_cases) -> str | None:
                 f"convert bfloat16 loads with `.to(tl.float32)` before any arithmetic; on a GPU, keeping sums "
                 f"in bfloat16 would lose precision anyway.")
     return (f"float32 inputs pass, {str(case.dtype).replace('torch.', '')} give relative error {error:.1e} "
-            f"({case.describe()}): the sums are kept in 16 bits and lose precision as they grow. Accumulate "
-            f"in float32 (`tl.zeros(..., dtype=tl.float32)`, `.to(tl.float32)` on loads) and convert only "
-            f"when storing.")
+            f"({case.describe()}): the sums are kept in 16 bits and lose precision as they grow. Keep every "
+            f"sum, and the state, in float32 (`tl.zeros(..., dtype=tl.float32)`, `.to(tl.float32)` before "
+            f"elementwise arithmetic) and convert to 16 bits only to store or to feed `tl.dot`.")
 
 
 def sixteen_bit_error_bound(ref, dtype) -> float:

@@ -125,8 +125,9 @@ def _guarded_output(shape, dtype, transposed):
 
 #: What changing the later rows of a sequence kernel's inputs and seeing earlier outputs change means.
 FUTURE_LEAK = ("changing tokens {cut}..{last} changed outputs before token {cut}: a future token leaks into the "
-               "past ({case}). Check the causal mask and the order of reading and updating the state, and that "
-               "each load reads its own token's row (its stride arguments).")
+               "past ({case}). Check the causal mask, the order of reading and updating the state, the "
+               "transposes in the products (q kᵀ), and that each load reads its own token's row (its stride "
+               "arguments).")
 
 
 def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, error, tol, leak=FUTURE_LEAK,
@@ -138,6 +139,12 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
                       f"assumes a memory layout somewhere; address every tensor with its own stride arguments.")
     inputs64 = {name: tensor.double().cpu() for name, tensor in inputs.items()}
     right = spec(**inputs64)
+    if out.shape[0] > 1:  # every program read the first sequence: its offset is missing on the loads
+        first = spec(**{name: tensor[:1] for name, tensor in inputs64.items()}).expand_as(right)
+        if relative_error(first, right) > 2 * tol and relative_error(out, first) <= 2 * tol:
+            raise Failure(f"every sequence got the first sequence's result ({case.describe()}): each program "
+                          f"must add its own offset (its program id times the sequence stride) to the pointers "
+                          f"it loads from.")
     for variant, message in variants:
         wrong = variant(**inputs64)  # None where the variant has no meaning for this case's shapes
         # A variant that equals the spec on this case (one token ahead of a one-token sequence)
@@ -177,7 +184,7 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
 
     def guarded_inputs(values):
         # every other input transposed, so a kernel that uses one tensor's strides for another fails too
-        return {name: guarded_copy(t, transposed=case.transposed and index % 2 == 0, name=f"{name}_ptr")
+        return {name: guarded_copy(t, transposed=case.input_transposed(index), name=f"{name}_ptr")
                 for index, (name, t) in enumerate(values.items())}
 
     def rerun(new_inputs):
@@ -227,7 +234,11 @@ def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20):
         # Several sequences: one token's q.k can nearly cancel, and one such sequence alone would
         # make a right float32 answer look wrong relative to its tiny norm.
         Case({"BH": 4, "T": 1, "D": 8, "E": 8}),
-        Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}, transposed=True),
+        # Inputs and output transposed unlike one another, both ways round: a kernel that addresses
+        # a tensor with another's strides, or assumes a layout, fails one of the two.
+        Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}, transposed=True, output_transposed=False),
+        Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}, transposed=True, output_transposed=True,
+             odd_inputs=True),
         Case({"BH": 1, "T": long_T, "D": 16, "E": 16}, dtype=torch.float16),
         Case({"BH": 2, "T": min(long_T, 48), "D": 16, "E": 16}, dtype=torch.bfloat16),
     ]
@@ -263,11 +274,14 @@ def _refusal(where, error_or_message, culprits="") -> str:
     return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
 
 
-def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None):
+def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None, *,
+                     tensor_cores=False):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
     refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not.
     ``inner_dimensions``: {block name: the product it is the inner dimension K of}, to name the
-    culprit of a refused size."""
+    culprit of a refused size. Float32 pointers must not compile to TF32 products (a GPU's
+    default for float32 ``tl.dot``); with ``tensor_cores``, 16-bit ones must compile to 16-bit
+    tensor-core products, which is what the blocks of at least 16 are for."""
     for constexprs in constexpr_sets:
         for dtype in pointer_dtypes:
             signature = {name: ("constexpr" if name in constexprs else
@@ -280,8 +294,19 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                     short = [f"{name}={constexprs[name]} in {product}" for name, product in (inner_dimensions or {}).items()
                              if constexprs.get(name, 16) < 16]
                     culprits = f" (here {' and '.join(short)})" if short else ""
-                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)}", result.message,
+                    raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)} inputs", result.message,
                                            culprits))
+                products = result.tensor_core_instructions()
+                if dtype == torch.float32 and any(".tf32" in product for product in products):
+                    raise Failure(f"compiled for {target} with float32 inputs, a tl.dot runs as TF32 on tensor "
+                                  f"cores ({products[0]}), about 1e-3 off: a GPU's default for float32 operands. "
+                                  f"Give every float32 tl.dot `input_precision=\"ieee\"`.")
+                ptx_type = {torch.float16: ".f16", torch.bfloat16: ".bf16"}.get(dtype)
+                if tensor_cores and ptx_type and not any(ptx_type in product for product in products):
+                    raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, the products use no "
+                                  f"{dtype_name(dtype)} tensor-core instruction: tl.dot must take the 16-bit "
+                                  f"blocks as they are loaded (no `.to(tl.float32)` before it), padded to at "
+                                  f"least 16, which is what tensor cores take.")
 
 
 # --------------------------------------------------------------------------- 1. feature map
@@ -355,8 +380,14 @@ def check_recurrent(kernel) -> CheckResult:
     options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
                    launch=_launch_per_sequence(kernel), uses_dot=False)
-    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13),
-                      lambda case, passed: _check_sequence_case(case, passed, **options))
+    cases = _sequence_cases(short_T=16, tail_T=13)
+
+    def run_case(case, passed):
+        _check_sequence_case(case, passed, **options)
+        if case is cases[-1]:  # the interpreter accepts what a GPU compiler refuses (a state's dtype changing)
+            _compile_failure(kernel, RECURRENT_ARGS, [{"BLOCK_D": 16, "BLOCK_E": 16}], (torch.float16,))
+
+    return _run_cases(exercise, cases, run_case, note="; compiles for " + " and ".join(COMPILE_TARGETS))
 
 
 # --------------------------------------------------------------------------- 3. small blocks
@@ -398,7 +429,7 @@ def check_small_dot(kernel, block_sizes) -> CheckResult:
         _check_sequence_case(case, passed, **options)
         if case is cases[-1]:
             _compile_failure(kernel, ONE_CHUNK_ARGS, list(chosen.values()), (torch.float16, torch.float32),
-                             {"BLOCK_D": "q @ kᵀ", "BLOCK_T": "scores @ v"})
+                             {"BLOCK_D": "q @ kᵀ", "BLOCK_T": "scores @ v"}, tensor_cores=True)
 
     return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
 
@@ -451,7 +482,7 @@ def check_chunked(kernel) -> CheckResult:
     def run_case(case, passed):
         _check_sequence_case(case, passed, **options)
         if case is cases[-1]:
-            _compile_failure(kernel, CHUNKED_ARGS, [_chunk_blocks(cases[0])], (torch.float16,),
+            _compile_failure(kernel, CHUNKED_ARGS, [_chunk_blocks(cases[0])], (torch.float16, torch.float32),
                              {"BLOCK_D": "q @ kᵀ and q @ S", "CHUNK": "scores @ v and kᵀ @ v"})
 
     return _run_cases(exercise, cases, run_case, note=_compile_note(bf16_ok))
@@ -494,7 +525,10 @@ def check_scan(kernel) -> CheckResult:
                    launch=launch, uses_dot=False, row_name="segments", leak=leak,
                    dim_names=("sequence", "segment", "row d", "column e"))
     cases = [Case({"BH": 2, "S": 8, "D": 4, "E": 16}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}),
-             Case({"BH": 1, "S": 1, "D": 2, "E": 8}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}, transposed=True)]
+             Case({"BH": 1, "S": 1, "D": 2, "E": 8}),
+             # the states and the output transposed in turn: out addressed with the states' strides fails
+             Case({"BH": 2, "S": 5, "D": 3, "E": 20}, transposed=True, output_transposed=False),
+             Case({"BH": 2, "S": 5, "D": 3, "E": 20}, output_transposed=True)]
     return _run_cases(exercise, cases, lambda case, passed: _check_sequence_case(case, passed, **options))
 
 
