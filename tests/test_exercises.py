@@ -76,6 +76,8 @@ EXERCISES = {
         ("value_tail_unmasked", [("mask=mask_e, other=0.0)", ")"), (", mask=mask_e)", ")")], "outside the output"),
         ("output_stored_with_the_values_strides", [("o_ptr + t * stride_ot + offs_e * stride_oe", "o_ptr + t * stride_vt + offs_e * stride_ve")],
          "contiguous tensors pass but transposed ones do not"),
+        ("store_masked_for_the_keys", [(", o.to(o_ptr.dtype.element_ty), mask=mask_e)", ", o.to(o_ptr.dtype.element_ty), mask=mask_d)")],
+         "Two blocks of different shapes met"),
         ("state_started_in_float16", [("state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)",
                                        "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float16)")], "GPU compiler refuses"),
     ]),

@@ -110,9 +110,13 @@ def _run_cases(exercise, cases, run_case, *, note=""):
                                                f"functions (tl.sum, tl.zeros, ...) cannot run in the interpreter. "
                                                f"Restart the kernel and import ttx_tutorial first.", passed)
             hint = ""
-            if "Expected dtype ['fp32', 'fp64']" in str(error) or "Expected dtype ['fp32', 'fp64']" in launch_error(error):
+            raised = str(error) + " " + launch_error(error)
+            if "Expected dtype ['fp32', 'fp64']" in raised:
                 hint = (" tl.exp and the other math functions take float32 or float64: convert the loaded "
                         "block with `.to(tl.float32)` first.")
+            elif "incompatible dimensions" in raised:
+                hint = (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
+                        "built for another dimension (check which mask goes with which load and store).")
             return report(exercise, False, f"✗ {exercise}: the kernel raised {launch_error(error)} "
                                            f"({case.describe()}).{hint}", passed)
         passed.append(case)
