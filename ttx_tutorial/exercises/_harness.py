@@ -253,6 +253,9 @@ class Case:
     output_transposed: bool | None = None
     #: With ``transposed``, which inputs of several: the even-numbered (0, 2, ...) or the odd-numbered.
     odd_inputs: bool = False
+    #: The inputs' names in order and the output's, to say which tensors a case transposes.
+    names: tuple = ()
+    output_name: str = "out"
 
     def input_transposed(self, index: int) -> bool:
         """Whether input number ``index`` is laid out transposed (a single input: index 0)."""
@@ -268,8 +271,13 @@ class Case:
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name}={value}" for name, value in self.sizes.items())
-        layout = {(True, True): ", transposed tensors", (True, False): ", transposed inputs",
-                  (False, True): ", transposed output", (False, False): ""}[(self.transposed, self.out_transposed)]
+        if self.names:
+            transposed = [name for index, name in enumerate(self.names) if self.input_transposed(index)]
+            transposed += [self.output_name] if self.out_transposed else []
+            layout = f", {' and '.join(transposed)} transposed" if transposed else ""
+        else:
+            layout = {(True, True): ", transposed tensors", (True, False): ", transposed inputs",
+                      (False, True): ", transposed output", (False, False): ""}[(self.transposed, self.out_transposed)]
         return f"{sizes}, {str(self.dtype).replace('torch.', '')}{layout}"
 
 
@@ -286,7 +294,9 @@ def _unwritten_slices(unwritten, dim_names):
             indices = whole.nonzero().flatten().tolist()
             shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
             others = ", ".join(n for n in dim_names if n not in (name, None))
-            return f"{name} {shown} (in every {others})" if others else f"{name} {shown}"
+            where = f" (in every {others})" if others else ""
+            verb = "still holds" if len(indices) == 1 else "still hold"
+            return f"{name} {shown}{where}: every element of {'it' if len(indices) == 1 else 'them'} {verb}"
     return None
 
 
@@ -335,8 +345,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                       f"does it store to another pointer?")
     if unwritten.any() and dim_names is not None and _unwritten_slices(unwritten, dim_names):
         raise Failure(f"part of the output was never written ({case.describe()}): "
-                      f"{_unwritten_slices(unwritten, dim_names)} (every element of it) still holds the checker's "
-                      f"poison. Does every "
+                      f"{_unwritten_slices(unwritten, dim_names)} the checker's poison. Does every "
                       f"program add its own offset (its program id times the stride) to the addresses?")
     if unwritten.any():
         rows = unwritten.movedim(row_dim, 0).reshape(out.shape[row_dim], -1).any(dim=1)

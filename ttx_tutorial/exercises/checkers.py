@@ -8,6 +8,8 @@ diagnosis in plain words (see ``_harness``). It prints one line and returns a ``
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import torch
 import triton
 from triton.compiler.errors import CompilationError
@@ -130,7 +132,7 @@ def _guarded_output(shape, dtype, transposed):
 #: What changing the later rows of a sequence kernel's inputs and seeing earlier outputs change means.
 FUTURE_LEAK = ("changing tokens {cut}..{last} changed outputs before token {cut}: a future token leaks into the "
                "past ({case}). Check the causal mask, the order of reading and updating the state, the "
-               "transposes in the products (q kᵀ), and that each load reads its own token's row (its stride "
+               "transposes in the products, and that each load reads its own token's row (its stride "
                "arguments).")
 
 
@@ -231,8 +233,8 @@ def _causal_variants(own_token="o_t must include k_t v_tᵀ, so update the state
     ]
 
 
-def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20):
-    return [
+def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20, names=("q", "k", "v"), output="o"):
+    cases = [
         Case({"BH": 2, "T": short_T, "D": 16, "E": 16}),
         Case({"BH": 2, "T": tail_T, "D": small_D, "E": small_E}),
         # Several sequences: one token's q.k can nearly cancel, and one such sequence alone would
@@ -246,6 +248,7 @@ def _sequence_cases(*, short_T, tail_T, long_T=512, small_D=12, small_E=20):
         Case({"BH": 1, "T": long_T, "D": 16, "E": 16}, dtype=torch.float16),
         Case({"BH": 2, "T": min(long_T, 48), "D": 16, "E": 16}, dtype=torch.bfloat16),
     ]
+    return [dataclasses.replace(case, names=names, output_name=output) for case in cases]
 
 
 def _without_blank(exercise, **functions):
@@ -278,14 +281,21 @@ def _refusal(where, error_or_message, culprits="") -> str:
     return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
 
 
+def _one_tf32_product(ttir: str) -> bool:
+    """Whether a float32 ``tt.dot`` of the kernel's Triton IR takes one TF32 product (not 3xTF32)."""
+    return any("tt.dot" in line and re.search(r"inputPrecision = tf32\b", line) and "xf32> *" in line
+               for line in ttir.splitlines())
+
+
 def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None, *,
                      tensor_cores=False):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
     refusal as a Failure. The interpreter runs any tl.dot shape, the GPU compiler does not.
     ``inner_dimensions``: {block name: the product it is the inner dimension K of}, to name the
-    culprit of a refused size. Float32 pointers must not compile to TF32 products (a GPU's
-    default for float32 ``tl.dot``); with ``tensor_cores``, 16-bit ones must compile to 16-bit
-    tensor-core products, which is what the blocks of at least 16 are for."""
+    culprit of a refused size. Float32 pointers must not compile to one TF32 product (a GPU's
+    default for float32 ``tl.dot``; 3xTF32 is near float32's accuracy and passes); with
+    ``tensor_cores``, 16-bit ones must compile to 16-bit tensor-core products, which is what the
+    blocks of at least 16 are for."""
     for constexprs in constexpr_sets:
         for dtype in pointer_dtypes:
             signature = {name: ("constexpr" if name in constexprs else
@@ -301,10 +311,10 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                     raise Failure(_refusal(f"for {target} with {blocks}, {dtype_name(dtype)} inputs", result.message,
                                            culprits))
                 products = result.tensor_core_instructions()
-                if dtype == torch.float32 and any(".tf32" in product for product in products):
-                    raise Failure(f"compiled for {target} with float32 inputs, a tl.dot runs as TF32 on tensor "
-                                  f"cores ({products[0]}), about 1e-3 off: a GPU's default for float32 operands. "
-                                  f"Give every float32 tl.dot `input_precision=\"ieee\"`.")
+                if dtype == torch.float32 and _one_tf32_product(result.asm.get("ttir", "")):
+                    raise Failure(f"compiled for {target} with float32 inputs, a tl.dot runs as one TF32 product "
+                                  f"on tensor cores (about 1e-3 off; a GPU's default for float32 operands): give "
+                                  f"every float32 tl.dot `input_precision=\"ieee\"`.")
                 ptx_type = {torch.float16: ".f16", torch.bfloat16: ".bf16"}.get(dtype)
                 if tensor_cores and ptx_type and not any(ptx_type in product for product in products):
                     raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, the products use no "
@@ -353,8 +363,8 @@ def check_feature_map(kernel) -> CheckResult:
              Case({"T": 50, "D": 24}),
              # x and the output transposed in turn: an elementwise kernel that addressed both as
              # contiguous would pass a case where both are transposed alike
-             Case({"T": 37, "D": 16}, transposed=True, output_transposed=False),
-             Case({"T": 37, "D": 16}, output_transposed=True),
+             Case({"T": 37, "D": 16}, transposed=True, output_transposed=False, names=("x",)),
+             Case({"T": 37, "D": 16}, output_transposed=True, names=("x",)),
              Case({"T": 37, "D": 16}, dtype=torch.float16), Case({"T": 37, "D": 16}, dtype=torch.bfloat16)]
     return _run_cases(exercise, cases, run_case)
 
@@ -533,6 +543,7 @@ def check_scan(kernel) -> CheckResult:
              # the states and the output transposed in turn: out addressed with the states' strides fails
              Case({"BH": 2, "S": 5, "D": 3, "E": 20}, transposed=True, output_transposed=False),
              Case({"BH": 2, "S": 5, "D": 3, "E": 20}, output_transposed=True)]
+    cases = [dataclasses.replace(case, names=("states",)) for case in cases]
     return _run_cases(exercise, cases, lambda case, passed: _check_sequence_case(case, passed, **options))
 
 
@@ -553,7 +564,9 @@ def check_dq(kernel) -> CheckResult:
         s = case.sizes
         do, _, _ = random_inputs(1, s["BH"], s["T"], s["E"], dtype=case.dtype)
         _, key, value = random_inputs(1, s["BH"], s["T"], s["D"], s["E"], dtype=case.dtype)
-        return {"do": do[0], "k": key[0], "v": value[0]}
+        # do and v (T, E) and k and dq (T, D) in alternate positions: the transposed cases then lay
+        # out each pair of same-shaped tensors unlike one another
+        return {"do": do[0], "v": value[0], "k": key[0]}
 
     def launch(inputs, out, case):
         s = case.sizes
@@ -575,6 +588,6 @@ def check_dq(kernel) -> CheckResult:
     options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
                    launch=launch, uses_dot=False)
-    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13),
+    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13, names=("do", "v", "k"), output="dq"),
                       lambda case, passed: _check_sequence_case(case, passed, **options))
 
