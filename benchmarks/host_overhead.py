@@ -64,7 +64,10 @@ KERNELS = {chunked: ("chunked_kernel", "chunked_backward_kernel"),
 
 
 class _NoLaunch:
-    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing (and has no pre-run hooks, as
+    the step's launcher asks)."""
+
+    pre_run_hooks = ()
 
     def __getitem__(self, grid):
         return _no_op
@@ -78,13 +81,17 @@ def _no_op(*args, **kwargs):
 def stubbed_launches():
     """Every kernel of the kernel files replaced by a no-op, restored on exit."""
     saved = {(module, name): getattr(module, name) for module, names in KERNELS.items() for name in names}
+    kept = dict(step._KEPT_LAUNCHES)  # the step's kept launches would bypass the stand-in
     try:
+        step._KEPT_LAUNCHES.clear()
         for module, name in saved:
             setattr(module, name, _NoLaunch())
         yield
     finally:
         for (module, name), kernel in saved.items():
             setattr(module, name, kernel)
+        step._KEPT_LAUNCHES.clear()
+        step._KEPT_LAUNCHES.update(kept)
 
 
 #: The clock of the stubbed stages: wall time, or with --cpu-time this thread's CPU time, which
