@@ -259,8 +259,8 @@ def decode(layer, prompt, tokens, step):
     with torch.no_grad():
         _, state = layer(prompt, return_state=True)
         outputs = []
-        for token in tokens:
-            outputs.append(step(token, state))
+        for token in tokens:  # cloned: a CUDA graph's replay overwrites its output
+            outputs.append(step(token, state).clone())
         return torch.stack(outputs), state
 
 

@@ -261,7 +261,7 @@ def test_a_known_signature_does_not_let_an_int_pass_for_a_bool():
     ({"state": torch.zeros(2, 3, 8, 5, dtype=torch.float64)}, ValueError, "state must be float32"),
     ({"state": None}, TypeError, "state must be a torch.Tensor"),
     ({"k": torch.zeros(2, 3, 8)}, TypeError, "same dtype"),
-    ({"v": torch.zeros(2, 4, 4, dtype=torch.float64)}, ValueError, "v \(B, H, E\) with the same B, H"),
+    ({"v": torch.zeros(2, 4, 4, dtype=torch.float64)}, ValueError, r"v \(B, H, E\) with the same B, H"),
 ], ids=["state_shape", "state_dtype", "no_state", "mixed_dtypes", "v_heads"])
 def test_the_pytorch_path_names_bad_inputs_as_the_kernel_does(change, error, words):
     """float64 takes the PyTorch path, which checks its inputs too (it used to fail inside einsum)."""

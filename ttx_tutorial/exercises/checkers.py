@@ -91,6 +91,18 @@ def _layout_first(case, passed, failure) -> str:
     return str(failure)
 
 
+def _raised_hint(error) -> str:
+    """What a student can do about an error Triton raised (in the interpreter or the GPU compiler)."""
+    raised = str(error) + " " + launch_error(error)
+    if "Expected dtype ['fp32', 'fp64']" in raised:
+        return (" tl.exp and the other math functions take float32 or float64: convert the loaded "
+                "block with `.to(tl.float32)` first.")
+    if "incompatible dimensions" in raised:
+        return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
+                "built for another dimension (check which mask goes with which load and store).")
+    return ""
+
+
 def _run_cases(exercise, cases, run_case, *, note=""):
     """Run each case; the first Failure (or a launch that raises) becomes the printed diagnosis."""
     passed = []
@@ -105,22 +117,15 @@ def _run_cases(exercise, cases, run_case, *, note=""):
             return report(exercise, False, f"✗ {exercise}: a blank is still `raise NotImplementedError()`: "
                                            f"fill it in and run its cell again.", passed)
         except CompilationError as error:  # GPU mode: the launch compiles for the device first
-            return report(exercise, False, f"✗ {exercise}: {_refusal(f'({case.describe()})', error)}", passed)
+            return report(exercise, False, f"✗ {exercise}: {_refusal(f'({case.describe()})', error)}"
+                                           f"{_raised_hint(error)}", passed)
         except Exception as error:  # the student's kernel raised: say where, do not crash the notebook
             if _device.INTERPRETED and "outside of the scope of a kernel" in str(error):
                 return report(exercise, False, f"✗ {exercise}: Triton was imported before ttx_tutorial, so its own "
                                                f"functions (tl.sum, tl.zeros, ...) cannot run in the interpreter. "
                                                f"Restart the kernel and import ttx_tutorial first.", passed)
-            hint = ""
-            raised = str(error) + " " + launch_error(error)
-            if "Expected dtype ['fp32', 'fp64']" in raised:
-                hint = (" tl.exp and the other math functions take float32 or float64: convert the loaded "
-                        "block with `.to(tl.float32)` first.")
-            elif "incompatible dimensions" in raised:
-                hint = (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
-                        "built for another dimension (check which mask goes with which load and store).")
             return report(exercise, False, f"✗ {exercise}: the kernel raised {launch_error(error)} "
-                                           f"({case.describe()}).{hint}", passed)
+                                           f"({case.describe()}).{_raised_hint(error)}", passed)
         passed.append(case)
     return report(exercise, True, success(exercise, passed, note), passed)
 
