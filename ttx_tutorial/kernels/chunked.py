@@ -45,8 +45,9 @@ product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chun
 adds it with a Kahan carry.
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
 against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: on an H200
-(Triton 3.6) one of its accuracy tests fails, for a reason not yet known.
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: compiled
+by Triton 3.6 for an H100 its results are wrong (errors near 1) with 32-column value blocks, right
+(about 6e-6) with 64.
 Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6

@@ -64,8 +64,8 @@ tensor core's truncating accumulator. bfloat16 rounds the float32 state and scor
 float16 keeps them in float32 (TF32 products).
 ``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
 against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: on an H200
-(Triton 3.6) one of its accuracy tests fails, for a reason not yet known.
+candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it (on an H100,
+Triton 3.6, scan's split stays within 1e-5; chunked's is wrong with 32-column value blocks).
 Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
