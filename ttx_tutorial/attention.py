@@ -49,7 +49,6 @@ bfloat16 shares float32's range and needs no such care.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -89,13 +88,8 @@ def feature_map_function(feature_map):
     raise ValueError(f"feature_map must be one of {tuple(FEATURE_MAPS)} or a callable, got {feature_map!r}")
 
 
-def _check_eps(eps):
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        kind = type(eps).__qualname__
-        kind = kind if type(eps).__module__ == "builtins" else f"{type(eps).__module__}.{kind}"
-        raise TypeError(f"eps must be a Python float, got {kind}; convert it with float(eps)")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+#: The kernel files' own check of eps, one message everywhere.
+_check_eps = _chunked._check_eps
 
 
 def _compute_dtype(dtype, normalize):
