@@ -22,7 +22,19 @@ from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SETTINGS = ("highest", "high", "medium")
-EXPECTED_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+EXPECTED_PRECISION = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
+
+
+def expected_products(setting, block_d, block_e, chunk, shape=(1, 2, 64, 64, 64), normalized=False):
+    """The products a float32 launch takes under ``setting`` on a tile: the split into bfloat16
+    parts for "highest", except on the tiles where it is wrong, for outputs of fewer than 1024
+    elements (B, H, T, D, E = ``shape``) and in the normalised attention (3xTF32 there)."""
+    products = EXPECTED_PRECISION[setting]
+    B, H, T, D, E = shape
+    small = H * min(B * T * min(D, E), B * D * E) < 1024
+    if products == "bf16x3_manual" and (normalized or small or (block_d == 64 and block_e < 64 and chunk == 64)):
+        return "tf32x3"
+    return products
 #: TF32 keeps float16's 10 significand bits, so it gets float16's tolerance.
 TF32_TOLERANCE = TOLERANCES[torch.float16]
 
@@ -69,7 +81,7 @@ def test_every_setting_of_pytorch_has_a_precision():
 def test_launches_follow_the_setting_at_each_call(family, matmul_precision, device):
     """One process, the setting changed between calls: each float32 launch, forward and backward,
     gets the precision of the setting at its call; 16-bit launches always get "tf32"."""
-    q, k, v = random_inputs(1, 2, 40, 16, 24, device=device, seed=3, requires_grad=True)
+    q, k, v = random_inputs(1, 2, 40, 32, 24, device=device, seed=3, requires_grad=True)
     half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     for setting in (*SETTINGS, "highest"):
         matmul_precision(setting)
@@ -143,7 +155,54 @@ def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, dev
                                   multiprocessors=None if ttx_tutorial.INTERPRETED else multiprocessors,
                                   shared_memory=shared_memory, precision=EXPECTED_PRECISION[setting])
     assert {key: kwargs[key] for key in rule} == rule
-    assert kwargs["FLOAT32_PRECISION"] == EXPECTED_PRECISION[setting]
+    assert kwargs["FLOAT32_PRECISION"] == expected_products(setting, 64, rule["BLOCK_E"], rule["CHUNK"],
+                                                            (B, H, T, D, E))
+
+
+@pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_highest_splits_where_the_tile_is_right_and_keeps_3xtf32_elsewhere(family, matmul_precision, device):
+    """Under "highest" a plain product's float32 launches, forward and backward, take the split
+    into bfloat16 parts on a 64 x 64 tile and 3xTF32 on the 64-row, 32-column tile of 64-token
+    chunks (where Triton 3.6 compiles the split wrong for sm_90); the normalised attention keeps
+    3xTF32 on both. Both within float32's tolerance."""
+    matmul_precision("highest")
+    q, k, v = random_inputs(1, 2, 150, 64, 64, device=device, seed=6, requires_grad=True)
+    grad_o = torch.randn_like(v)
+    _, _, ref_grads = reference_gradients(q, k, v, None, grad_o, torch.zeros(1, 2, 64, 64))
+    for block_e, expected in ((64, "bf16x3_manual"), (32, "tf32x3")):
+        config = {"BLOCK_E": block_e, "CHUNK": 64}
+        if family is scan:
+            config["SEGMENT_LEN"] = 64
+        for normalized in (False, True):
+            entry = family._run_normalized_validated if normalized else family._run_validated
+            for x in (q, k, v):
+                x.grad = None
+            with recorded_launches(family) as launches:
+                o, _ = entry(q, k, v, None, *((1e-6,) if normalized else ()), config)
+                o.backward(grad_o)
+            products = {kwargs["FLOAT32_PRECISION"] for _, kwargs in launches if "FLOAT32_PRECISION" in kwargs}
+            assert products == {"tf32x3" if normalized else expected}, (block_e, normalized, products)
+            if not normalized:
+                for name, x in (("q", q), ("k", k), ("v", v)):
+                    assert_close(x.grad, ref_grads[name], torch.float32, f"d{name} at BLOCK_E {block_e}")
+
+
+@pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_highest_keeps_3xtf32_for_outputs_too_small_for_the_split(family, matmul_precision, device):
+    """The split's error, about 6e-6 an element, can pass 1e-5 in the norm over a few dozen
+    elements: under "highest" a call whose smallest output (here the states, 2 x 16 x 24 = 768
+    elements, or dq's) has fewer than 1024 elements takes 3xTF32 in every launch; one with
+    32-wide heads (1024 and more) takes the split. The decision is the forward's and the
+    backward's alike."""
+    matmul_precision("highest")
+    for D, expected in ((16, "tf32x3"), (32, "bf16x3_manual")):
+        q, k, v = random_inputs(1, 2, 80, D, 24, device=device, seed=7, requires_grad=True)
+        with recorded_launches(family) as launches:
+            o, _ = family._run_validated(q, k, v)
+            o.sum().backward()
+        products = {kwargs["FLOAT32_PRECISION"] for _, kwargs in launches if "FLOAT32_PRECISION" in kwargs}
+        assert products == {expected}, (D, products)
+    assert family.split_is_accurate(torch.empty(1, 2, 1, 5), torch.empty(1, 2, 1, 7), 1) is False
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -287,13 +346,15 @@ def test_emulated_bfloat16_split_is_within_float32_tolerance_but_coarser_than_3x
 @pytest.mark.parametrize("family", ["chunked", "scan"])
 def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, monkeypatch, device):
     """``BF16X3_MANUAL``, the kernel files' own split of float32 operands into two bfloat16 parts
-    (a candidate for "highest" that benchmarks/float32_sweep.py times): every launch receives it,
-    and the forward, the final state and every gradient are within float32's tolerance against
-    float64, yet coarser than 3xTF32 on the same inputs (16 significand bits against 3xTF32's
-    21 + 11): a kernel that ignored the split, or kept one bfloat16 part, fails. scan takes
-    64-token segments, so that its pass over the segments' summaries has programs."""
+    ("highest"'s products, and a kind benchmarks/float32_sweep.py times): every launch receives
+    it, and the forward, the final state and every gradient are within float32's tolerance
+    against float64, yet coarser than 3xTF32 on the same inputs (16 significand bits against
+    3xTF32's 21 + 11): a kernel that ignored the split, or kept one bfloat16 part, fails. scan
+    takes 64-token segments, so that its pass over the segments' summaries has programs;
+    chunked 64-column value blocks, which a GPU would narrow for 2 heads to a tile where the
+    split gives way to 3xTF32."""
     module = {"chunked": chunked, "scan": scan}[family]
-    config = {"SEGMENT_LEN": 64} if family == "scan" else None
+    config = {"SEGMENT_LEN": 64} if family == "scan" else {"BLOCK_E": 64}
     entry = getattr(module, f"{family}_causal_product")
     q, k, v, s0 = random_inputs(1, 2, 165, 64, device=device, seed=13, initial_state=True, requires_grad=True)
     grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
@@ -402,7 +463,8 @@ def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path):
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     out = tmp_path / "sweep.json"
-    assert sweep.main(["--shapes", "1,1,40,16", "--settings", "highest", "--products", "tf32x3,bf16x3_manual",
+    # 32-wide heads: the smallest output (the state, 32 x 32) is large enough for the split.
+    assert sweep.main(["--shapes", "1,1,80,32", "--settings", "highest", "--products", "tf32x3,bf16x3_manual",
                        "--candidates", json.dumps([{"BLOCK_E": 16, "CHUNK": 16, "num_warps": 4, "num_stages": 2}]),
                        "--scan-candidates", json.dumps([{"num_warps": 4}]), "--no-peers", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

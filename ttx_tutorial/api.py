@@ -72,14 +72,19 @@ AUTO = "auto"
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
-#: float32 at full precision (3xTF32 products): the widest head for which the tensor-core
-#: kernels beat "recurrent". Measured on an H200: at D = 64 chunked's forward is the fastest and
-#: scan's 4-warp tiles the fastest forward+backward; at D = 128 their tiles spill and recurrent,
-#: whose per-token products need no tensor cores, is faster at every shape.
+#: float32 products at full precision: "highest"'s split into bfloat16 parts and 3xTF32 (which
+#: "highest" takes on tiles and calls where the split gives way, see the kernel files).
+_FULL_PRECISION_PRODUCTS = ("bf16x3_manual", "tf32x3")
+#: Under 3xTF32: the widest head for which the tensor-core kernels beat "recurrent". Measured on
+#: an H200: at D = 64 chunked's forward is the fastest and scan's 4-warp tiles the fastest
+#: forward+backward; at D = 128 their tiles spill and recurrent, whose per-token products need no
+#: tensor cores, is faster at every shape. Under the split, chunked is 2.4x faster than recurrent
+#: there (1.42 against 3.43 ms forward at (8, 16, 4096, 128)).
 _TF32X3_WIDEST_TENSOR_CORE_HEAD = 64
-#: ... and the shortest sequence at which scan's float32 forward+backward lead was measured
-#: (T = 4096); below it calls are short, bound by the host, and chunked's single launch each way
-#: costs less.
+#: ... and up to that width, the shortest sequence at which scan's float32 forward+backward lead
+#: was measured (T = 4096; under the split too: 1.017 against chunked's 1.134 ms at (8, 16, 4096,
+#: 64)); below it calls are short, bound by the host, and chunked's single launch each way costs
+#: less.
 _TF32X3_SCAN_FROM_LENGTH = 4096
 
 
@@ -93,7 +98,7 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
                   gradients: bool | None = None) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
-    and for float32 at full precision "recurrent" past D = 64.
+    and for float32 at full precision "scan" where a backward follows a long sequence.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences (e.g.
@@ -101,12 +106,13 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     over segments (programs counted with chunked's value blocks before it narrows them for few
     heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
     from D = 65 to 128 those are whole heads up to 128 columns). float32 under "highest" runs
-    chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64 their
-    tiles spill and "recurrent", whose per-token products need no tensor cores, is faster (1.6x
-    forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from
-    T = 4096 on, a call that autograd will differentiate runs scan (its forward+backward 1.07x
-    faster than chunked's at (8, 16, 4096, 64)), a forward alone chunked (1.09x faster than
-    scan's).
+    chunked's and scan's products as a split into bfloat16 parts (three bfloat16 products each):
+    up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan (its
+    forward+backward 1.11x faster than chunked's at (8, 16, 4096, 64) on an H200), a forward
+    alone chunked (1.07x faster than scan's). Where "highest" takes 3xTF32 instead (a
+    ``FLOAT32_PRECISIONS`` of 3xTF32), past D = 64 chunked's and scan's tiles spill and
+    "recurrent", whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
+    forward+backward at (8, 16, 4096, 128)).
     ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
     and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
@@ -139,10 +145,10 @@ def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiproce
     ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``),
     ``gradients`` whether a backward follows. tests/test_auto.py checks it against the recorded
     benchmark and the float32 sweep."""
-    if dtype == torch.float32 and float32_precision == "tf32x3":
-        if D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
+    if dtype == torch.float32 and float32_precision in _FULL_PRECISION_PRODUCTS:
+        if float32_precision == "tf32x3" and D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "recurrent"
-        if gradients and T >= _TF32X3_SCAN_FROM_LENGTH:
+        if gradients and T >= _TF32X3_SCAN_FROM_LENGTH and D <= _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "scan"
     programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:

@@ -36,18 +36,17 @@ tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and t
 (N, H, D, E); the Kahan carry then follows the total length. Packed sequences are for the plain
 product only: ``chunked_normalized_attention`` takes no ``cu_seqlens`` (recurrent's and scan's do).
 Precision: products accumulate in float32. float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
-about float32's accuracy) for "highest", the default; one TF32 product (about 1e-3) for "high"
-and "medium". bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16
+``torch.get_float32_matmul_precision()`` at each call. "highest", the default: each operand
+split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three bfloat16 products; about
+6e-6 against float64) where the tile is one that Triton 3.6 compiles right (``split_is_right``)
+and the call's outputs are large enough for that error to hold (``split_is_accurate``), else
+3xTF32 (``input_precision="tf32x3"``, about 3e-7); the normalised attention keeps 3xTF32, since
+its dq cancels to about 7e-5 under the split. "high" and "medium": one TF32 product
+(about 1e-3). bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16
 keeps them in float32 (TF32 products, exact for float16 inputs): long sequences of positive
-features pass 65504. Tensor cores accumulate with truncation: under 3xTF32 each chunk's state
-product is added in rounded float32, and beyond ``COMPENSATED_FROM_CHUNKS`` chunks every dtype
-adds it with a Kahan carry.
-``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
-against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it: compiled
-by Triton 3.6 for an H100 its results are wrong (errors near 1) with 32-column value blocks, right
-(about 6e-6) with 64.
+features pass 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
+parts) each chunk's state product is added in rounded float32, and beyond
+``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
 Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
@@ -99,11 +98,10 @@ def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.
 
 #: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
 #: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
-#: bfloat16 products. lo @ lo, about 2**-16 of the product, is left out, as Triton's "bf16x3"
-#: leaves it out: the plain product errs by about 6e-6 against float64, within float32's 1e-5,
-#: but the normalised attention's dq, whose terms cancel, by about 7e-5. No PyTorch setting
-#: selects it: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate
-#: for the plain product under "highest".
+#: bfloat16 products, which tensor cores run at twice TF32's rate. lo @ lo, about 2**-16 of the
+#: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
+#: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
+#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -988,22 +986,54 @@ def _shared_memory_estimate(block_d, config, dtype):
 _NOMINAL_LIMITS = (132, 232448)
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the ``input_precision`` of float32 products.
-FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
+#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
+#: no), one TF32 product for "high" and "medium".
+FLOAT32_PRECISIONS = {"highest": BF16X3_MANUAL.value, "high": "tf32", "medium": "tf32"}
 
 
-def float32_precision():
-    """The ``input_precision`` of float32 products under PyTorch's current setting: "tf32x3"
-    (about float32's accuracy) for "highest", the default; "tf32" for "high" and "medium"."""
-    return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+def float32_precision(normalized=False):
+    """The products of float32 operands under PyTorch's current setting: "bf16x3_manual" (the
+    split, about 6e-6) for "highest", the default, or "tf32x3" (about 3e-7) for the normalised
+    attention (``normalized``), whose dq cancels; "tf32" (about 1e-3) for "high" and "medium"."""
+    precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+    return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
+
+
+#: The fewest elements an output of a call (o, the states, each gradient) may have for the call
+#: to take the split: its relative error is about 6e-6 an element at random, and the norm of
+#: the error over a few dozen elements can pass float32's 1e-5 (1.2e-5 at (B, H, T, D, E) =
+#: (1, 2, 1, 5, 7) over 30 random draws under the interpreter, which computes the split exactly);
+#: over 512 elements or more the largest was 6.1e-6. Smaller calls take 3xTF32.
+SPLIT_MIN_ELEMENTS = 1024
+
+
+def split_is_accurate(q, v, sequences):
+    """Whether a call on ``q`` (B, H, T, D) and ``v`` with ``sequences`` states (B, or N packed
+    sequences) has outputs large enough for the split (``SPLIT_MIN_ELEMENTS``); symmetric in D
+    and E, so that the backward's passes, which swap them, decide as the forward did."""
+    batch, heads, tokens, D = q.shape
+    E = v.shape[-1]
+    return heads * min(batch * tokens * min(D, E), sequences * D * E) >= SPLIT_MIN_ELEMENTS
+
+
+def split_is_right(block_d, block_e, chunk):
+    """Whether the split into bfloat16 parts computes right on a tile of ``block_d`` state rows,
+    ``block_e`` value columns and ``chunk`` tokens; where it does not, a launch takes 3xTF32.
+    Compiled by Triton 3.6 for an H100 (sm_90), the split is wrong on 64-row tiles of at most 32
+    columns with 64-token chunks, in this file's kernel and in scan's alike: errors near 1, inf,
+    and with 8 warps an illegal memory access (so is Triton's own "bf16x3" there). Every other
+    tile that the rules give, forward and backward passes, ran within 6.5e-6 of float64 (tiles
+    of 16 to 256 rows, 16 to 128 columns, chunks of 16 to 64; benchmarks/NOTES.md, 2026-12-05)."""
+    return not (block_d == 64 and block_e < 64 and chunk == 64)
 
 
 def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1],
                    precision="tf32x3"):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
     and the GPU's multiprocessors and shared memory (None: unknown); for float32 inputs,
-    ``precision`` is their products' (``float32_precision()``: "tf32x3" or "tf32"; a split takes
-    3xTF32's tiles).
+    ``precision`` is their products' (``float32_precision()``: "bf16x3_manual", "tf32x3" or
+    "tf32"; a split into bfloat16 parts takes 3xTF32's tiles).
 
     Registers decide most of it (ptxas' register and stack use for sm_90): each thread holds
     BLOCK_D * BLOCK_E / (32 * num_warps) float32 values of the state beside the other tiles.
@@ -1088,14 +1118,17 @@ def _compensated(T, chunk):
 def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides):
     """(grid, launch keywords) of ``chunked_kernel`` for one shape: the rule with the (checked)
     ``overrides`` applied, then the constexprs. Pure, so cached: a call at a known shape skips the
-    rule's microseconds. ``precision``: the float32 products' (``float32_precision``). The
-    returned dict is shared; callers must not modify it."""
+    rule's microseconds. ``precision``: the float32 products' (``float32_precision``); a split
+    into bfloat16 parts becomes 3xTF32 on a tile where ``split_is_right`` says no. The returned
+    dict is shared; callers must not modify it."""
     multiprocessors, shared_memory = limits
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
                                        shared_memory=shared_memory, precision=precision),
               **dict(overrides)}
+    if precision == BF16X3_MANUAL.value and not split_is_right(_block(D), chosen["BLOCK_E"], chosen["CHUNK"]):
+        precision = "tf32x3"
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
                   "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, chosen["CHUNK"]),
@@ -1103,18 +1136,22 @@ def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides
 
 
 def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denominator=None, eps=0.0,
-            out_dtype=None):
+            out_dtype=None, normalized=False):
     """One pass of the kernel over (q, k, v): returns (o, final_state), both freshly allocated,
     o in ``out_dtype`` (None: v's). With ``cu_seqlens``, q, k, v hold its sequences packed in one
     row, and the states are per sequence: (N, H, D, E). With ``denominator``, a (B, H, T) float32
     tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have E + 1
-    columns, z last (not with ``cu_seqlens``)."""
+    columns, z last (not with ``cu_seqlens``). ``normalized``: a pass of the normalised backward,
+    whose float32 products keep 3xTF32 as the normalised forward's do (``float32_precision``)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:  # one program row and one state per packed sequence
         B = cu_seqlens.shape[0] - 1
     # 16-bit inputs meet float32 operands only as float16's state and scores, exact in TF32.
-    precision = float32_precision() if q.dtype == torch.float32 else "tf32"
+    normalize = denominator is not None
+    precision = float32_precision(normalize or normalized) if q.dtype == torch.float32 else "tf32"
+    if precision == BF16X3_MANUAL.value and not split_is_accurate(q, v, B):
+        precision = "tf32x3"
     # config was checked by check_config in _run_validated; as sorted items it keys the cache.
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
                                          triton.knobs.runtime.interpret, precision,
@@ -1124,7 +1161,6 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
     o = torch.empty_like(v, dtype=v.dtype if out_dtype is None else out_dtype)
     # Always written, even where a backward pass discards it: B * H * D * E floats, against the
     # T * (2 * D + 2 * E) elements each pass moves, and one kernel variant fewer to compile.
-    normalize = denominator is not None
     final_state = torch.empty((B, H, D, E + normalize), dtype=torch.float32, device=v.device)
     # Without an initial state (or a denominator), final_state stands in for its pointer; the
     # kernel never reads it.
@@ -1355,19 +1391,21 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
     grad_z = None if grad_final_state is None else grad_final_state[..., E]
     if needs_q:
         s0_t = None if initial_state is None else initial_state[..., :E].transpose(-1, -2)
-        plain_q, _ = _launch(g, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32)
+        plain_q, _ = _launch(g, v_w, k_w, s0_t, reverse=False, config=config, out_dtype=torch.float32,
+                             normalized=True)
         grad_q = torch.empty_like(q)
         _normalizer_terms(plain_q, k, q, grad_denominator, None if initial_state is None else initial_state[..., E],
                           reverse=False, out=grad_q, feature_map=feature_map)
     if needs_k or needs_initial_state:
         g_t = None if grad_final_state is None else grad_final_state[..., :E].transpose(-1, -2)
-        plain_k, _ = _launch(v_w, g, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32)
+        plain_k, _ = _launch(v_w, g, q_w, g_t, reverse=True, config=config, out_dtype=torch.float32,
+                             normalized=True)
         grad_k = torch.empty_like(k)
         dz0 = _normalizer_terms(plain_k, q, k, grad_denominator, grad_z, reverse=True, out=grad_k,
                                 feature_map=feature_map)
     if needs_v or needs_initial_state:
         g_s = None if grad_final_state is None else grad_final_state[..., :E]
-        grad_v, grad_s0 = _launch(k_w, q_w, g, g_s, reverse=True, config=config)
+        grad_v, grad_s0 = _launch(k_w, q_w, g, g_s, reverse=True, config=config, normalized=True)
         grad_v = grad_v.to(v.dtype)
         if needs_initial_state:
             grad_initial_state = torch.cat([grad_s0, dz0.unsqueeze(-1)], dim=-1)

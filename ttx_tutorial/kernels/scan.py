@@ -57,15 +57,15 @@ the one that goes on, and pass 2 is a segmented scan: it carries a state into a 
 when the segment's first sequence began before the segment walked before, and restarts from
 that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
-about float32's accuracy) for "highest", the default, TF32 for "high" and "medium"; under
-3xTF32 the segment sums and states add each chunk's product in rounded float32, not in the
-tensor core's truncating accumulator. bfloat16 rounds the float32 state and scores to bfloat16;
-float16 keeps them in float32 (TF32 products).
-``BF16X3_MANUAL``, float32 operands split into two bfloat16 parts in the kernel (about 6e-6
-against float64 under the interpreter for the plain product, 7e-5 for the normalised dq), is a
-candidate that ``benchmarks/float32_sweep.py --products`` times; no setting selects it (on an H100,
-Triton 3.6, scan's split stays within 1e-5; chunked's is wrong with 32-column value blocks).
+``torch.get_float32_matmul_precision()`` at each call. "highest", the default: each operand
+split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three bfloat16 products; about
+6e-6 against float64) where the tile is one that Triton 3.6 compiles right (``split_is_right``)
+and the call's outputs are large enough for that error to hold (``split_is_accurate``), else
+3xTF32 (``input_precision="tf32x3"``, about 3e-7); the normalised attention keeps 3xTF32, since
+its dq cancels to about 7e-5 under the split. "high" and "medium": TF32. Under a split
+(3xTF32, bfloat16 parts) the segment sums and states add each chunk's product in rounded
+float32, not in the tensor core's truncating accumulator. bfloat16 rounds the float32 state and
+scores to bfloat16; float16 keeps them in float32 (TF32 products).
 Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
@@ -133,11 +133,10 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr
 
 #: float32 products split into bfloat16 parts by the kernel itself: x = hi + lo with hi = x
 #: rounded to bfloat16 and lo = (x - hi) rounded, then lo @ hi + hi @ lo + hi @ hi, three plain
-#: bfloat16 products. lo @ lo, about 2**-16 of the product, is left out, as Triton's "bf16x3"
-#: leaves it out: the plain product errs by about 6e-6 against float64, within float32's 1e-5,
-#: but the normalised attention's dq, whose terms cancel, by about 7e-5. No PyTorch setting
-#: selects it: ``benchmarks/float32_sweep.py --products bf16x3_manual`` times it as a candidate
-#: for the plain product under "highest".
+#: bfloat16 products, which tensor cores run at twice TF32's rate. lo @ lo, about 2**-16 of the
+#: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
+#: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
+#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -1388,14 +1387,47 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the ``input_precision`` of float32 products.
-FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
+#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
+#: no), one TF32 product for "high" and "medium".
+FLOAT32_PRECISIONS = {"highest": BF16X3_MANUAL.value, "high": "tf32", "medium": "tf32"}
 
 
-def float32_precision():
-    """The ``input_precision`` of float32 products under PyTorch's current setting: "tf32x3"
-    (about float32's accuracy) for "highest", the default; "tf32" for "high" and "medium"."""
-    return FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+def float32_precision(normalized=False):
+    """The products of float32 operands under PyTorch's current setting: "bf16x3_manual" (the
+    split, about 6e-6) for "highest", the default, or "tf32x3" (about 3e-7) for the normalised
+    attention (``normalized``), whose dq cancels; "tf32" (about 1e-3) for "high" and "medium"."""
+    precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
+    return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
+
+
+#: The fewest elements an output of a call (o, the states, each gradient) may have for the call
+#: to take the split: its relative error is about 6e-6 an element at random, and the norm of
+#: the error over a few dozen elements can pass float32's 1e-5 (1.2e-5 at (B, H, T, D, E) =
+#: (1, 2, 1, 5, 7) over 30 random draws under the interpreter, which computes the split exactly);
+#: over 512 elements or more the largest was 6.1e-6. Smaller calls take 3xTF32.
+SPLIT_MIN_ELEMENTS = 1024
+
+
+def split_is_accurate(q, v, sequences):
+    """Whether a call on ``q`` (B, H, T, D) and ``v`` with ``sequences`` states (B, or N packed
+    sequences) has outputs large enough for the split (``SPLIT_MIN_ELEMENTS``); symmetric in D
+    and E, so that the backward's passes, which swap them, decide as the forward did."""
+    batch, heads, tokens, D = q.shape
+    E = v.shape[-1]
+    return heads * min(batch * tokens * min(D, E), sequences * D * E) >= SPLIT_MIN_ELEMENTS
+
+
+def split_is_right(block_d, block_e, chunk):
+    """Whether the split into bfloat16 parts computes right on a tile of ``block_d`` state rows,
+    ``block_e`` value columns and ``chunk`` tokens; where it does not, a launch takes 3xTF32.
+    Compiled by Triton 3.6 for an H100 (sm_90), the split is wrong on 64-row tiles of at most 32
+    columns with 64-token chunks, in this file's kernels and in chunked's alike: errors near 1,
+    inf, and with 8 warps an illegal memory access (so is Triton's own "bf16x3" there). Every
+    other tile that the rules give, forward and backward passes, ran within 6.5e-6 of float64
+    (tiles of 16 to 256 rows, 16 to 128 columns, chunks of 16 to 64; benchmarks/NOTES.md,
+    2026-12-05)."""
+    return not (block_d == 64 and block_e < 64 and chunk == 64)
 
 
 #: Triton 3.6 compiles pass 3 with 3xTF32 products on 8 warps and a 16 x 16 state so that it
@@ -1493,18 +1525,23 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
         raise ValueError(f"config num_warps must be at most 4 for float32 products at full precision "
                          f"when neither side of the state tile reaches {_TF32X3_8_WARPS_MIN_BLOCK} "
                          f"(BLOCK_D={_block(D)}, BLOCK_E={resolved['BLOCK_E']}), got {resolved['num_warps']}")
+    if precision == BF16X3_MANUAL.value and not split_is_right(_block(D), resolved["BLOCK_E"], resolved["CHUNK"]):
+        precision = "tf32x3"
     resolved["SEGMENT_LEN"] = length
     resolved["FLOAT32_PRECISION"] = precision
     return resolved
 
 
-def _resolve_config(q, v, config):
+def _resolve_config(q, v, config, normalized=False):
     """The launch configuration for these inputs: the rule, then the caller's keys; float32
-    products at the precision PyTorch's setting asks for now."""
+    products at the precision PyTorch's setting asks for now (3xTF32 for "highest" when
+    ``normalized``: a pass of the normalised attention, see ``float32_precision``)."""
     B, H, T, D = q.shape
     overrides = tuple(sorted((config or {}).items()))
-    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides,
-                            float32_precision())
+    precision = float32_precision(normalized)
+    if precision == BF16X3_MANUAL.value and not split_is_accurate(q, v, B):  # packed: counted as one row
+        precision = "tf32x3"
+    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides, precision)
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
@@ -1698,7 +1735,7 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
         else:
             final_state.copy_(initial_state)
         return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
-    resolved = _resolve_config(q, v, config)
+    resolved = _resolve_config(q, v, config, normalized=normalize)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
@@ -1795,22 +1832,24 @@ def _launch_backward(q, k, v, grad_o, forward_starts, suffix_starts, *, segment_
 
 
 def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_final, overrides, needs, packed,
-                        query_key_dtype=None):
+                        query_key_dtype=None, normalized=False):
     """dq, dk, dv, dS_0 (None where not needed) from pass 3 run up to three times (and passes 1
     and 2 once, for the suffix states), every product cut into the forward's segments:
     dQ = forward product (dO, V, K) from the forward's start states transposed; dV = reverse
     product (K, Q, dO) from G, whose final state is dS_0; dK = reverse product (V, dO, Q) from the
     same suffix states transposed. ``needs``: (q, k, v, initial state). ``forward_initial``: S_0,
     where packed pieces start their forward walk. dq and dk are written in ``query_key_dtype``
-    (None: that of their pass's operands)."""
+    (None: that of their pass's operands). ``normalized``: the passes of the normalised backward
+    (float32 products as ``_resolve_config`` gives them)."""
     need_q, need_k, need_v, need_initial = needs
     dq = dk = dv = d_initial = None
     if need_q:
         dq, _ = _segment_outputs(grad_o, v, k, forward_starts.transposed(), reverse=False,
-                                 config=_resolve_config(grad_o, k, overrides), initial=forward_initial.transposed(),
+                                 config=_resolve_config(grad_o, k, overrides, normalized),
+                                 initial=forward_initial.transposed(),
                                  out_dtype=query_key_dtype, **packed)
     if need_k or need_v or need_initial:
-        config = _resolve_config(k, grad_o, overrides)
+        config = _resolve_config(k, grad_o, overrides, normalized)
         suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
                                         segments=packed["segments"])
         if need_v or need_initial:
@@ -1818,7 +1857,8 @@ def _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial, grad_f
                                              initial=grad_final, **packed)
         if need_k:
             dk, _ = _segment_outputs(v, grad_o, q, suffix_starts.transposed(), reverse=True,
-                                     config=_resolve_config(v, q, overrides), initial=grad_final.transposed(),
+                                     config=_resolve_config(v, q, overrides, normalized),
+                                     initial=grad_final.transposed(),
                                      out_dtype=query_key_dtype, **packed)
     return dq, dk, dv, d_initial
 
@@ -1911,7 +1951,8 @@ def _normalized_backward_in_passes(q, k, v, o, denominator, grad_o, forward_star
     need_q, need_k, need_v, need_initial = needs
     plain_q, plain_k, dv, ds0 = _backward_in_passes(
         *(x.to(g.dtype) for x in (q, k, v)), g, forward_starts, forward_initial, grad_final, overrides,
-        (need_q, need_k or need_initial, need_v or need_initial, need_initial), packed, query_key_dtype=torch.float32)
+        (need_q, need_k or need_initial, need_v or need_initial, need_initial), packed, query_key_dtype=torch.float32,
+        normalized=True)
     cu_seqlens = None
     if packed["segments"] is not None:  # the table ends on the N + 1 offsets
         cu_seqlens = packed["segments"][-(packed["n_sequences"] + 1):]
@@ -1964,7 +2005,7 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         forward_initial = _States.initial(initial_state, q.device)
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
         forward_starts = _States(start_tensor, ctx.start_strides)
-        config = _resolve_config(k, grad_o, overrides)
+        config = _resolve_config(k, grad_o, overrides, normalized=True)
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1],
                                       normalize=True)
         if fused is not None:
