@@ -59,9 +59,9 @@ that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call. "highest", the default: each operand
 split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three bfloat16 products; about
-6e-6 against float64) where the tile is one that Triton 3.6 compiles right (``split_is_right``)
-and the call's outputs are large enough for that error to hold (``split_is_accurate``), else
-3xTF32 (``input_precision="tf32x3"``, about 3e-7); the normalised attention keeps 3xTF32, since
+6e-6 against float64) on tiles where it ran right on a GPU (``split_is_right``: Triton 3.6
+gets one family wrong) and where the call's outputs are large enough for that error to hold
+(``split_is_accurate``), else 3xTF32 (``input_precision="tf32x3"``, about 3e-7); the normalised attention keeps 3xTF32, since
 its dq cancels to about 7e-5 under the split. "high" and "medium": TF32. Under a split
 (3xTF32, bfloat16 parts) the segment sums and states add each chunk's product in rounded
 float32, not in the tensor core's truncating accumulator. bfloat16 rounds the float32 state and
@@ -1418,16 +1418,26 @@ def split_is_accurate(q, v, sequences):
     return heads * min(batch * tokens * min(D, E), sequences * D * E) >= SPLIT_MIN_ELEMENTS
 
 
+#: (state rows, value columns, chunk tokens) of the tiles on which the split into bfloat16 parts
+#: ran right on a GPU (an H100, Triton 3.6: forward, S_T and every gradient within 6.5e-6 of
+#: float64, in this file's kernels or in chunked's, whose tiles fail alike; benchmarks/NOTES.md,
+#: 2026-12-05): every tile of both float32 rules for heads of 16 to 256 but the wrong ones below
+#: and three of scan's that no GPU has run the split on (16 x 64 and 32 x 64 at 32 tokens, 32 x 16
+#: at 64), which take 3xTF32.
+SPLIT_TILES = frozenset({
+    (16, 16, 64), (16, 32, 64), (16, 64, 64), (32, 32, 64), (32, 64, 64), (64, 64, 64), (64, 128, 64),
+    (64, 32, 32), (64, 64, 32), (128, 16, 32), (128, 32, 32), (128, 64, 32), (128, 64, 16), (256, 16, 32),
+    (256, 32, 32), (256, 64, 32),
+})
+
+
 def split_is_right(block_d, block_e, chunk):
-    """Whether the split into bfloat16 parts computes right on a tile of ``block_d`` state rows,
-    ``block_e`` value columns and ``chunk`` tokens; where it does not, a launch takes 3xTF32.
-    Compiled by Triton 3.6 for an H100 (sm_90), the split is wrong on 64-row tiles of at most 32
-    columns with 64-token chunks, in this file's kernels and in chunked's alike: errors near 1,
-    inf, and with 8 warps an illegal memory access (so is Triton's own "bf16x3" there). Every
-    other tile that the rules give, forward and backward passes, ran within 6.5e-6 of float64
-    (tiles of 16 to 256 rows, 16 to 128 columns, chunks of 16 to 64; benchmarks/NOTES.md,
-    2026-12-05)."""
-    return not (block_d == 64 and block_e < 64 and chunk == 64)
+    """Whether a launch on a tile of ``block_d`` state rows, ``block_e`` value columns and
+    ``chunk`` tokens may take the split into bfloat16 parts: only on a tile measured right
+    (``SPLIT_TILES``); elsewhere 3xTF32. Triton 3.6 compiles the split wrong for sm_90 on 64-row
+    tiles of at most 32 columns with 64-token chunks: errors near 1, inf, and with 8 warps an
+    illegal memory access (so is Triton's own "bf16x3" there)."""
+    return (block_d, block_e, chunk) in SPLIT_TILES
 
 
 #: Triton 3.6 compiles pass 3 with 3xTF32 products on 8 warps and a 16 x 16 state so that it
