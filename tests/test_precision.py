@@ -192,6 +192,7 @@ def test_both_files_split_on_the_same_measured_tiles_and_not_where_triton_is_wro
     alike); the 64-row tiles of 16 and 32 columns at 64 tokens, wrong under Triton 3.6, are not
     among them."""
     assert chunked.SPLIT_TILES == scan.SPLIT_TILES
+    assert chunked.SPLIT_MIN_ELEMENTS == scan.SPLIT_MIN_ELEMENTS
     for tile in ((64, 32, 64), (64, 16, 64)):
         assert not chunked.split_is_right(*tile) and not scan.split_is_right(*tile)
     assert chunked.split_is_right(64, 64, 64) and scan.split_is_right(128, 32, 32)
