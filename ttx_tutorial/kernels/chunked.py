@@ -36,15 +36,19 @@ tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and t
 (N, H, D, E); the Kahan carry then follows the total length. Packed sequences are for the plain
 product only: ``chunked_normalized_attention`` takes no ``cu_seqlens`` (recurrent's and scan's do).
 Precision: products accumulate in float32. float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call. "highest", the default: each operand
-split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three bfloat16 products; about
-6e-6 against float64) on tiles where it ran right on a GPU (``split_is_right``: Triton 3.6
-gets one family wrong) and where the call's outputs are large enough for that error to hold
-(``split_is_accurate``), else 3xTF32 (``input_precision="tf32x3"``, about 3e-7); the normalised attention keeps 3xTF32, since
-its dq cancels to about 7e-5 under the split. "high" and "medium": one TF32 product
-(about 1e-3). bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16
-keeps them in float32 (TF32 products, exact for float16 inputs): long sequences of positive
-features pass 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
+``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
+about 3e-7 against float64) for "highest", the default; one TF32 product (about 1e-3) for
+"high" and "medium". ``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` opts in to a faster
+"highest": each operand split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three
+bfloat16 products, about 6e-6), on the tiles where it ran right on a GPU (``split_is_right``:
+Triton 3.6 gets one family wrong) and for calls whose outputs are large enough for that error
+to hold (``split_is_accurate``), 3xTF32 elsewhere and in the normalised attention (its dq
+cancels to about 7e-5 under the split). It is not the default: a normalisation made outside
+the kernels, through a column of ones appended to v (packed sequences through chunked, the
+compiled recurrent and scan), cancels the same way, and its float32 dq erred by 1.4e-5.
+bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16 keeps them in
+float32 (TF32 products, exact for float16 inputs): long sequences of positive features pass
+65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
 parts) each chunk's state product is added in rounded float32, and beyond
 ``COMPENSATED_FROM_CHUNKS`` chunks every dtype adds it with a Kahan carry.
 Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@triton.jit`` chooses
@@ -101,7 +105,8 @@ def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.
 #: bfloat16 products, which tensor cores run at twice TF32's rate. lo @ lo, about 2**-16 of the
 #: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
 #: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
-#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
+#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``). An
+#: opt-in for "highest" (``FLOAT32_PRECISIONS``), which ``benchmarks/float32_sweep.py --products`` times.
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -986,16 +991,18 @@ def _shared_memory_estimate(block_d, config, dtype):
 _NOMINAL_LIMITS = (132, 232448)
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
-#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
-#: no), one TF32 product for "high" and "medium".
-FLOAT32_PRECISIONS = {"highest": BF16X3_MANUAL.value, "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: 3xTF32 for
+#: "highest", one TF32 product for "high" and "medium". Set "highest" to BF16X3_MANUAL for the
+#: split into bfloat16 parts (3xTF32 still where ``split_is_right`` or ``split_is_accurate``
+#: says no, and in the normalised attention; see the module docstring).
+FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
 
 
 def float32_precision(normalized=False):
-    """The products of float32 operands under PyTorch's current setting: "bf16x3_manual" (the
-    split, about 6e-6) for "highest", the default, or "tf32x3" (about 3e-7) for the normalised
-    attention (``normalized``), whose dq cancels; "tf32" (about 1e-3) for "high" and "medium"."""
+    """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
+    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1e-3) for "high" and
+    "medium"; a split into bfloat16 parts given there becomes "tf32x3" for the normalised
+    attention (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
     return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
 
