@@ -2,8 +2,9 @@
 
     python benchmarks/float32_sweep.py --out results/float32_sweep.json
 
-float32 inputs follow ``torch.get_float32_matmul_precision()``: "highest" multiplies with 3xTF32,
-"high" and "medium" with TF32 (the kernel files' ``FLOAT32_PRECISIONS``; "medium" launches the
+float32 inputs follow ``torch.get_float32_matmul_precision()``: "highest" multiplies with a split
+into bfloat16 parts (3xTF32 on the tiles where the split is wrong, and in the normalised
+attention), "high" and "medium" with TF32 (the kernel files' ``FLOAT32_PRECISIONS``; "medium" launches the
 same kernels as "high", so it is timed only with ``--settings``). For each shape (``--shapes``,
 by default the four reference shapes), forward ("fwd") and forward+backward ("fwd+bwd"), this
 times:
@@ -12,10 +13,10 @@ times:
   ``CANDIDATES`` (CHUNK, BLOCK_E, num_warps, num_stages; at most 8 per head size), through the
   kernel file's public ``chunked_causal_product``; ``scan`` with its rule and on 4 and 8 warps
   (``SCAN_CANDIDATES``); ``recurrent`` with its rule. Under "highest", once per kind of float32
-  products named by ``--products`` ("tf32x3", 3xTF32, the kernels' default; "bf16x3_manual", the
-  kernel files' own split into bfloat16 parts, ``BF16X3_MANUAL``, their opt-in; Triton's bfloat16
-  splits "bf16x3" and "bf16x6" on a GPU only), each row saying which (the opt-in split gives way to
-  3xTF32 where the kernel files' ``split_is_right`` or ``split_is_accurate`` says no);
+  products named by ``--products`` ("bf16x3_manual", the kernel files' own split into bfloat16
+  parts, ``BF16X3_MANUAL``, by default; "tf32x3", 3xTF32; Triton's bfloat16 splits "bf16x3" and
+  "bf16x6" on a GPU only), each row saying which (a split gives way to 3xTF32 on the tiles where
+  the kernel files' ``split_is_right`` says no);
 - once, the peers when importable: fast-transformers' ``causal_dot_product`` (a CUDA kernel in
   float32, unaffected by the setting) and fla's ``chunk_linear_attn`` and
   ``fused_chunk_linear_attn`` in float32 (their own TF32 products; ``scale=1.0,
@@ -97,12 +98,12 @@ CANDIDATES = {
 #: deeper load pipelines on 4 warps.
 SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_stages": 3},
                    {"num_warps": 4, "num_stages": 4}]
-#: float32 products "highest" may use: 3xTF32 (the kernels' default), the kernel files' own split
-#: into two bfloat16 parts (``BF16X3_MANUAL``, their opt-in) and Triton's splits into bfloat16
-#: parts (two parts, three products; three parts, six products).
-HIGHEST_PRODUCTS = ("tf32x3", "bf16x3_manual", "bf16x3", "bf16x6")
+#: float32 products "highest" may use: the kernel files' own split into two bfloat16 parts
+#: (``BF16X3_MANUAL``, the kernels' default), 3xTF32 and Triton's splits into bfloat16 parts (two
+#: parts, three products; three parts, six products).
+HIGHEST_PRODUCTS = ("bf16x3_manual", "tf32x3", "bf16x3", "bf16x6")
 #: Products the interpreter computes: Triton's own splits are lowered on a GPU only.
-INTERPRETER_PRODUCTS = ("tf32x3", "bf16x3_manual")
+INTERPRETER_PRODUCTS = ("bf16x3_manual", "tf32x3")
 DEFAULT_PRODUCTS = FLOAT32_PRECISIONS["highest"]
 #: Short names of config keys in printed rows.
 LABELS = {"BLOCK_E": "E", "CHUNK": "C", "num_warps": "w", "num_stages": "s", "SEGMENT_LEN": "L"}

@@ -87,8 +87,8 @@ def test_auto_is_within_5_percent_of_the_fastest_kernel_at_every_recorded_point(
 
 
 def test_auto_takes_recurrent_for_wide_float32_heads_only_under_3xtf32():
-    """float32 past D = 64: 3xTF32 ("highest") makes chunked and scan slower than recurrent, the
-    opt-in split into bfloat16 parts does not; up to it scan's float32 tiles lead forward+backward from
+    """float32 past D = 64: 3xTF32 makes chunked and scan slower than recurrent, the split into
+    bfloat16 parts ("highest") does not; up to it scan's float32 tiles lead forward+backward from
     T = 4096 on under either. TF32 alone ("high") leaves the choice to the programs' count, as
     for 16-bit inputs."""
     wide = (8, 16, 4096, 128, 128)
@@ -133,8 +133,8 @@ _SWEEPS = {"bf16x3_manual": _SPLIT_SWEEP, "tf32": _TF32_SWEEP}
 @pytest.mark.parametrize("products, shape", [(products, shape) for products, sweep in _SWEEPS.items()
                                              for shape in sweep])
 def test_auto_under_each_float32_sweep_is_within_5_percent_of_the_fastest_kernel(products, shape):
-    """float32 under the opt-in split into bfloat16 parts and under TF32 ("high"): at each point
-    of the sweep, forward and forward+backward, the rule's kernel within 5 % of the fastest."""
+    """float32 under the split into bfloat16 parts ("highest") and under TF32 ("high"): at each
+    point of the sweep, forward and forward+backward, the rule's kernel within 5 % of the fastest."""
     times = _SWEEPS[products][shape]
     for mode in (0, 1):
         choice = api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, products, gradients=bool(mode))
@@ -174,7 +174,7 @@ def matmul_highest():
 
 @pytest.mark.gpu
 def test_auto_follows_pytorchs_float32_precision():
-    """At (8, 16, 4096, 64) with a backward to follow, "highest" (3xTF32) takes scan and "high"
+    """At (8, 16, 4096, 64) with a backward to follow, "highest" (the split) takes scan and "high"
     (TF32) chunked."""
     q, k, v = random_inputs(8, 16, 4096, 64, device="cuda")
     previous = torch.get_float32_matmul_precision()

@@ -137,13 +137,12 @@ def wrapper_calls(module):
     # float32 under TF32 ("high"): its own tiles (whole value heads up to 128 columns in chunked).
     for D, E in COVERAGE_HEAD_DIMS:
         add(2, 3, 777, D, E, torch.float32, matmul_precision="high")
-    # float32 split into bfloat16 parts by the kernel files themselves (BF16X3_MANUAL), an opt-in
-    # for "highest" that benchmarks/float32_sweep.py times: plain and normalised (which keeps 3xTF32).
+    # "highest" splits float32 into bfloat16 parts (BF16X3_MANUAL) on the tiles it ran right on,
+    # which the grid above compiles; 3xTF32 at those tiles too (the products of small calls, of
+    # the normalised attention, and what benchmarks/float32_sweep.py times with --products tf32x3).
     if hasattr(module, "BF16X3_MANUAL"):
         for D, E in ((64, 64), (128, 128)):
-            add(2, 3, 777, D, E, torch.float32, products="bf16x3_manual")
-        if hasattr(module, "_run_normalized_validated"):
-            add(2, 3, 777, 64, 64, torch.float32, normalized=True, products="bf16x3_manual")
+            add(2, 3, 777, D, E, torch.float32, products="tf32x3")
     # Long 16-bit sequences, past the chunk count where chunked sums its states with a carry.
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):

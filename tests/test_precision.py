@@ -22,7 +22,7 @@ from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SETTINGS = ("highest", "high", "medium")
-EXPECTED_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+EXPECTED_PRECISION = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
 
 
 def expected_products(setting, block_d, block_e, chunk, shape=(1, 2, 64, 64, 64), normalized=False):
@@ -160,14 +160,12 @@ def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, dev
 
 
 @pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_the_split_runs_where_the_tile_is_right_and_3xtf32_elsewhere(family, matmul_precision, monkeypatch,
-                                                                    device):
-    """With the split opted in for "highest", a plain product's float32 launches, forward and
-    backward, take the split into bfloat16 parts on a 64 x 64 tile and 3xTF32 on the 64-row,
-    32-column tile of 64-token chunks (where Triton 3.6 compiles the split wrong for sm_90); the
-    normalised attention keeps 3xTF32 on both. Both within float32's tolerance."""
+def test_highest_splits_where_the_tile_is_right_and_keeps_3xtf32_elsewhere(family, matmul_precision, device):
+    """Under "highest" a plain product's float32 launches, forward and backward, take the split
+    into bfloat16 parts on a 64 x 64 tile and 3xTF32 on the 64-row, 32-column tile of 64-token
+    chunks (where Triton 3.6 compiles the split wrong for sm_90); the normalised attention keeps
+    3xTF32 on both. Both within float32's tolerance."""
     matmul_precision("highest")
-    monkeypatch.setitem(family.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     q, k, v = random_inputs(1, 2, 150, 64, 64, device=device, seed=6, requires_grad=True)
     grad_o = torch.randn_like(v)
     _, _, ref_grads = reference_gradients(q, k, v, None, grad_o, torch.zeros(1, 2, 64, 64))
@@ -201,14 +199,13 @@ def test_both_files_split_on_the_same_measured_tiles_and_not_where_triton_is_wro
 
 
 @pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_the_split_gives_way_to_3xtf32_for_outputs_too_small(family, matmul_precision, monkeypatch, device):
+def test_highest_keeps_3xtf32_for_outputs_too_small_for_the_split(family, matmul_precision, device):
     """The split's error, about 6e-6 an element, can pass 1e-5 in the norm over a few dozen
-    elements: with the split opted in, a call whose smallest output (here the states, 2 x 16 x
-    24 = 768 elements, or dq's) has fewer than 1024 elements takes 3xTF32 in every launch; one
-    with 32-wide heads (1024 and more) takes the split. The decision is the forward's and the
+    elements: under "highest" a call whose smallest output (here the states, 2 x 16 x 24 = 768
+    elements, or dq's) has fewer than 1024 elements takes 3xTF32 in every launch; one with
+    32-wide heads (1024 and more) takes the split. The decision is the forward's and the
     backward's alike."""
     matmul_precision("highest")
-    monkeypatch.setitem(family.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     for D, expected in ((16, "tf32x3"), (32, "bf16x3_manual")):
         q, k, v = random_inputs(1, 2, 80, D, 24, device=device, seed=7, requires_grad=True)
         with recorded_launches(family) as launches:
@@ -217,6 +214,54 @@ def test_the_split_gives_way_to_3xtf32_for_outputs_too_small(family, matmul_prec
         products = {kwargs["FLOAT32_PRECISION"] for _, kwargs in launches if "FLOAT32_PRECISION" in kwargs}
         assert products == {expected}, (D, products)
     assert family.split_is_accurate(torch.empty(1, 2, 1, 5), torch.empty(1, 2, 1, 7), 1) is False
+
+
+def float32_products(launches):
+    return {kwargs["FLOAT32_PRECISION"] for _, kwargs in launches if "FLOAT32_PRECISION" in kwargs}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_product_divided_by_its_ones_column_keeps_3xtf32(seed, matmul_precision, device):
+    """causal_linear_attention normalises packed sequences through chunked by a column of ones
+    appended to v, and PyTorch divides by the product's last column: its dq cancels as the
+    kernels' normalised launches' does (under the split 5.3e-5 and 5.5e-5 against float64 on
+    these two draws). So every float32 launch of that call, forward and backward, takes 3xTF32 and
+    dq, dk, dv stay within float32's tolerance; the same call unnormalised takes the split."""
+    matmul_precision("highest")
+    offsets = torch.tensor([0, 100, 230], device=device)
+    q, k, v = random_inputs(1, 2, 230, 32, 32, device=device, seed=seed, requires_grad=True)
+    grad_out = torch.randn_like(v)
+    for normalize, expected in ((True, {"tf32x3"}), (False, {"bf16x3_manual"})):
+        for x in (q, k, v):
+            x.grad = None
+        with recorded_launches(chunked) as launches, poisoned_allocations():
+            out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", normalize=normalize,
+                                                       cu_seqlens=offsets)
+            out.backward(grad_out)
+        assert float32_products(launches) == expected, normalize
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected_out = ttx_tutorial.causal_linear_attention(*leaves, method="quadratic", cu_seqlens=offsets)
+    expected_out.backward(grad_out.double())
+    out = ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", cu_seqlens=offsets)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_close(out, expected_out, torch.float32, "out")
+    for name, grad, leaf in zip("qkv", grads, leaves):
+        assert_close(grad, leaf.grad, torch.float32, f"d{name}")
+
+
+@pytest.mark.parametrize("method", ["chunked", "scan"])
+def test_the_operator_keeps_3xtf32_for_a_product_it_is_told_is_divided(method, matmul_precision, device):
+    """Under torch.compile the product with a ones column is ``ttx_tutorial::causal_product``
+    with ``normalized=True``: its forward and its backward operator launch 3xTF32, where the
+    same operator unmarked takes the split."""
+    matmul_precision("highest")
+    module = {"chunked": chunked, "scan": scan}[method]
+    q, k, v = random_inputs(1, 2, 96, 32, 32, device=device, seed=9, requires_grad=True)
+    for normalized, expected in ((True, {"tf32x3"}), (False, {"bf16x3_manual"})):
+        with recorded_launches(module) as launches:
+            o, _ = ttx_tutorial.ops.causal_product_op(q, k, v, None, method, None, normalized)
+            o.sum().backward()
+        assert float32_products(launches) == expected, normalized
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -360,7 +405,7 @@ def test_emulated_bfloat16_split_is_within_float32_tolerance_but_coarser_than_3x
 @pytest.mark.parametrize("family", ["chunked", "scan"])
 def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, monkeypatch, device):
     """``BF16X3_MANUAL``, the kernel files' own split of float32 operands into two bfloat16 parts
-    (an opt-in for "highest", and a kind benchmarks/float32_sweep.py times): every launch receives
+    ("highest"'s products, and a kind benchmarks/float32_sweep.py times): every launch receives
     it, and the forward, the final state and every gradient are within float32's tolerance
     against float64, yet coarser than 3xTF32 on the same inputs (16 significand bits against
     3xTF32's 21 + 11): a kernel that ignored the split, or kept one bfloat16 part, fails. scan
@@ -422,20 +467,17 @@ SPLIT_TILE_SHAPES = [(16, 16), (16, 64), (32, 32), (40, 72), (64, 16), (64, 32),
 @pytest.mark.parametrize("value_block", [None, 64], ids=["rule", "BLOCK_E64"])
 @pytest.mark.parametrize("method", ["chunked", "scan"])
 @pytest.mark.parametrize("shape", SPLIT_TILE_SHAPES, ids=lambda s: f"D{s[0]}-E{s[1]}")
-def test_the_split_is_within_float32_tolerance_on_every_tile(shape, method, value_block, matmul_precision,
-                                                              monkeypatch):
-    """With the split opted in for "highest", every launch takes the split into bfloat16 parts
-    unless ``split_is_right`` or ``split_is_accurate`` says no, and the compiler gets some tiles
-    wrong (errors near 1 or inf on 64 x 32 tiles of 64-token chunks with Triton 3.6): forward,
-    final state and every gradient within float32's tolerance on tiles of both rules, with 2
-    heads (chunked's value blocks narrowed to fill the GPU) and with chunked's 64-column blocks
-    (as with many heads)."""
+def test_highest_is_within_float32_tolerance_on_every_tile(shape, method, value_block, matmul_precision):
+    """Under "highest" every launch takes the split into bfloat16 parts unless ``split_is_right``
+    or ``split_is_accurate`` says no, and the compiler gets some tiles wrong (errors near 1 or inf
+    on 64 x 32 tiles of 64-token chunks with Triton 3.6): forward, final state and every gradient
+    within float32's tolerance on tiles of both rules, with 2 heads (chunked's value blocks
+    narrowed to fill the GPU) and with chunked's 64-column blocks (as with many heads)."""
     if method == "scan" and value_block is not None:
         pytest.skip("scan's rule does not narrow its blocks")
     matmul_precision("highest")
     D, E = shape
     module = {"chunked": chunked, "scan": scan}[method]
-    monkeypatch.setitem(module.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     config = {"BLOCK_E": value_block} if value_block else {}
     if method == "scan":
         config["SEGMENT_LEN"] = 128 if max(D, E) <= 64 else 64

@@ -20,7 +20,7 @@ class Method:
     name: str
     # (q, k, v, initial_state) -> (o, final_state), and cu_seqlens= for packed sequences. For the
     # Triton methods, the kernel file's entry point for inputs this module has checked (the file's
-    # public function would check them again).
+    # public function would check them again), which also takes normalized= (``_checked_product``).
     function: Callable
     is_triton: bool
     summary: str
@@ -72,8 +72,8 @@ AUTO = "auto"
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
-#: float32 products at full precision: 3xTF32, "highest"'s, and the kernel files' opt-in split
-#: into bfloat16 parts.
+#: float32 products at full precision: "highest"'s split into bfloat16 parts and 3xTF32 (which
+#: "highest" takes on tiles and calls where the split gives way, see the kernel files).
 _FULL_PRECISION_PRODUCTS = ("bf16x3_manual", "tf32x3")
 #: Under 3xTF32: the widest head for which the tensor-core kernels beat "recurrent". Measured on
 #: an H200: at D = 64 chunked's forward is the fastest and scan's 4-warp tiles the fastest
@@ -98,7 +98,7 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
                   gradients: bool | None = None) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
-    and for float32 at full precision "recurrent" past D = 64.
+    and for float32 at full precision "scan" where a backward follows a long sequence.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences (e.g.
@@ -106,14 +106,13 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     over segments (programs counted with chunked's value blocks before it narrows them for few
     heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
     from D = 65 to 128 those are whole heads up to 128 columns). float32 under "highest" runs
-    chunked's and scan's products as 3xTF32 (three tensor-core products each); past D = 64 their
-    tiles spill and "recurrent", whose per-token products need no tensor cores, is faster (1.6x
-    forward and 1.7x forward+backward at (8, 16, 4096, 128) on an H200); up to D = 64 and from
-    T = 4096 on, a call that autograd will differentiate runs scan (its forward+backward 1.07x
-    faster than chunked's at (8, 16, 4096, 64)), a forward alone chunked (1.09x faster than
-    scan's). With the kernel files' opt-in split into bfloat16 parts (``FLOAT32_PRECISIONS``),
-    chunked stays past D = 64 (2.4x faster than recurrent at (8, 16, 4096, 128)); scan still
-    takes a backward up to D = 64 from T = 4096 (1.11x faster than chunked there).
+    chunked's and scan's products as a split into bfloat16 parts (three bfloat16 products each):
+    up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan (its
+    forward+backward 1.11x faster than chunked's at (8, 16, 4096, 64) on an H200), a forward
+    alone chunked (1.07x faster than scan's). Where "highest" takes 3xTF32 instead (a
+    ``FLOAT32_PRECISIONS`` of 3xTF32), past D = 64 chunked's and scan's tiles spill and
+    "recurrent", whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
+    forward+backward at (8, 16, 4096, 128)).
     ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
     and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
@@ -192,10 +191,19 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
     raises an error rather than silently missing the second-order term. Under Triton's CPU
     interpreter, calls from several threads take turns, one kernel launch at a time.
     """
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be True or False, got {return_state!r}")
+    o, final_state = _checked_product(q, k, v, method, cu_seqlens, initial_state, normalized=False)
+    return (o, final_state) if return_state else o
+
+
+def _checked_product(q, k, v, method, cu_seqlens, initial_state, *, normalized):
+    """``causal_product``'s (o, S_T). ``normalized``: v ends with a column of ones, by whose
+    product the caller divides the others (``causal_linear_attention``): the Triton methods then
+    keep float32's products at 3xTF32, forward and backward (the kernel files'
+    ``float32_precision``)."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
     compiling = torch.compiler.is_compiling()
     if method == AUTO:
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.
@@ -217,15 +225,14 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
     if cast is not None:  # as PyTorch's attention does under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
     if compiling and info.is_triton:  # one graph node, see ttx_tutorial.ops
-        o, final_state = ops.causal_product_op(q, k, v, initial_state, method, cu_seqlens)
-        return (o, final_state) if return_state else o
+        return ops.causal_product_op(q, k, v, initial_state, method, cu_seqlens, normalized)
     implementation = info.function
     if cu_seqlens is not None:
         implementation = functools.partial(implementation, cu_seqlens=cu_seqlens)
+    if normalized and info.is_triton:
+        implementation = functools.partial(implementation, normalized=True)
     # is_cuda and get_device() are plain attribute reads, where q.device builds an object per call.
     if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # launch on the tensors' GPU, not the current one
-            o, final_state = implementation(q, k, v, initial_state)
-    else:
-        o, final_state = implementation(q, k, v, initial_state)
-    return (o, final_state) if return_state else o
+            return implementation(q, k, v, initial_state)
+    return implementation(q, k, v, initial_state)

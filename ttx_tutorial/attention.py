@@ -57,7 +57,7 @@ from torch import nn
 from . import ops
 from ._device import DEVICE
 from ._validation import KERNEL_DTYPES, KERNEL_INDEX_LIMIT, check_inputs
-from .api import AUTO, MAX_HEAD_DIM, METHODS, causal_product, choose_method, method_info
+from .api import AUTO, MAX_HEAD_DIM, METHODS, _checked_product, choose_method, method_info
 from .kernels import chunked as _chunked
 from .kernels import feature_map as _feature_map
 from .kernels import recurrent as _recurrent
@@ -289,8 +289,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if normalize:
             ones = v.new_ones((*v.shape[:-1], 1))
             v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
-        o, state = causal_product(phi_q, phi_k, v, method, initial_state=initial_state, return_state=True,
-                                  cu_seqlens=cu_seqlens)
+        # normalized: the kernels keep float32's products at 3xTF32 for a product divided by its
+        # last column (the kernel files' float32_precision).
+        o, state = _checked_product(phi_q, phi_k, v, method, cu_seqlens, initial_state, normalized=normalize)
         if normalize:
             o = o[..., :-1] / (o[..., -1:] + eps)
     out = o.to(out_dtype)

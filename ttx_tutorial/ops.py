@@ -42,10 +42,12 @@ from .kernels import chunked, recurrent, step
 _BACKWARD_FROM_INPUTS = {"chunked": chunked._ChunkedCausalProduct, "recurrent": recurrent._RecurrentCausalProduct}
 
 
-def _run(q, k, v, initial_state, method, cu_seqlens=None):
+def _run(q, k, v, initial_state, method, cu_seqlens=None, normalized=False):
     """The kernel wrapper's (o, final_state) for ``method`` ("auto" is resolved here, at run
     time: the device query behind it would break a traced graph). Packed sequences' offsets are
-    checked here (once per tensor and version), on real values: the traced call could not read them."""
+    checked here (once per tensor and version), on real values: the traced call could not read
+    them. ``normalized``: the caller divides by the product of v's last column, a column of ones
+    (the kernel files' ``_run_validated``)."""
     from ._validation import _check_offsets_once
     from .api import AUTO, choose_method, method_info  # api imports this module
 
@@ -57,7 +59,7 @@ def _run(q, k, v, initial_state, method, cu_seqlens=None):
         _check_offsets_once(cu_seqlens, q.shape[2])
         packed = {"cu_seqlens": cu_seqlens}
     with _on_tensors_device(q):
-        return info.function(q, k, v, initial_state, **packed)
+        return info.function(q, k, v, initial_state, normalized=normalized, **packed)
 
 
 def _on_tensors_device(x):
@@ -70,9 +72,10 @@ def _on_tensors_device(x):
 
 @torch.library.custom_op("ttx_tutorial::causal_product", mutates_args=())
 def _causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
-                       method: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       method: str, cu_seqlens: Optional[Tensor] = None, normalized: bool = False,
+                       ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():  # autograd is the operator's own (register_autograd below)
-        o, final_state = _run(q, k, v, initial_state, method, cu_seqlens)
+        o, final_state = _run(q, k, v, initial_state, method, cu_seqlens, normalized)
     # Contiguous, as the fake implementation promises whatever the inputs' strides: eager calls
     # lay o out as v, and under torch.compile the inputs' strides need not be the traced ones.
     o = o.contiguous()
@@ -82,7 +85,7 @@ def _causal_product_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[
 
 
 @_causal_product_op.register_fake
-def _(q, k, v, initial_state, method, cu_seqlens=None):
+def _(q, k, v, initial_state, method, cu_seqlens=None, normalized=False):
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # packed: one state per sequence
@@ -92,16 +95,17 @@ def _(q, k, v, initial_state, method, cu_seqlens=None):
 class _SavedInputs:
     """What an autograd Function's backward reads from its ctx, for calling it outside autograd."""
 
-    def __init__(self, q, k, v, initial_state, cu_seqlens):
+    def __init__(self, q, k, v, initial_state, cu_seqlens, normalized):
         self.saved_tensors = (q, k, v, initial_state, cu_seqlens)
-        self.needs_input_grad = (True, True, True, initial_state is not None, False, False)
+        self.needs_input_grad = (True, True, True, initial_state is not None, False, False, False)
         self.config = None
+        self.normalized = normalized
 
 
 @torch.library.custom_op("ttx_tutorial::causal_product_backward", mutates_args=())
 def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
                                 grad_o: Tensor, grad_final_state: Optional[Tensor],
-                                method: str, cu_seqlens: Optional[Tensor] = None,
+                                method: str, cu_seqlens: Optional[Tensor] = None, normalized: bool = False,
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from .api import AUTO, choose_method  # api imports this module
 
@@ -114,10 +118,11 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
                                          else method)
     if function is not None:
         with torch.no_grad():  # a kernel call, recorded nowhere (the operator has no autograd of its own)
-            found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens), grad_o, grad_final_state)
+            found = function.backward(_SavedInputs(q, k, v, initial_state, cu_seqlens, normalized), grad_o,
+                                      grad_final_state)
     else:
         found = _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method,
-                                               cu_seqlens)
+                                               cu_seqlens, normalized)
     dq, dk, dv = (_laid_out_like(g, x) for g, x in zip(found, (q, k, v)))
     if initial_state is None:  # nothing to differentiate; the schema still returns a tensor, never read
         ds0 = q.new_empty((B, H, D, E), dtype=torch.float32)
@@ -126,14 +131,15 @@ def _causal_product_backward_op(q: Tensor, k: Tensor, v: Tensor, initial_state: 
     return dq, dk, dv, ds0
 
 
-def _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens):
+def _backward_by_rerunning_forward(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens,
+                                   normalized):
     """(dq, dk, dv, dS_0 or None) through autograd on a second forward call (see the module docstring)."""
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         if initial_state is not None:
             inputs.append(initial_state.detach().requires_grad_())
         o, final_state = _run(*inputs[:3], inputs[3] if initial_state is not None else None, method,
-                              cu_seqlens)
+                              cu_seqlens, normalized)
         outputs, grads = [o], [grad_o]
         if grad_final_state is not None:
             outputs.append(final_state)
@@ -157,7 +163,7 @@ def _laid_out_like(grad, x):
 
 
 @_causal_product_backward_op.register_fake
-def _(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens=None):
+def _(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens=None, normalized=False):
     B, H, _, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -168,10 +174,10 @@ def _(q, k, v, initial_state, grad_o, grad_final_state, method, cu_seqlens=None)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, initial_state, method, cu_seqlens = inputs
+    q, k, v, initial_state, method, cu_seqlens, normalized = inputs
     ctx.set_materialize_grads(False)  # an unused S_T's gradient stays None: no zeros to fill and read
     ctx.save_for_backward(q, k, v, initial_state, cu_seqlens)
-    ctx.method = method
+    ctx.method, ctx.normalized = method, normalized
 
 
 def _backward(ctx, grad_o, grad_final_state):
@@ -181,15 +187,17 @@ def _backward(ctx, grad_o, grad_final_state):
     if grad_o is None:  # only the final state was used
         grad_o = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
     dq, dk, dv, ds0 = _causal_product_backward_op(q, k, v, initial_state, grad_o, grad_final_state,
-                                                  ctx.method, cu_seqlens)
-    return dq, dk, dv, (ds0 if initial_state is not None else None), None, None
+                                                  ctx.method, cu_seqlens, ctx.normalized)
+    return dq, dk, dv, (ds0 if initial_state is not None else None), None, None, None
 
 
 _causal_product_op.register_autograd(_backward, setup_context=_setup_context)
 
 #: The registered operator, ``torch.ops.ttx_tutorial.causal_product.default``:
-#: (q, k, v, initial_state or None, method, cu_seqlens or None) -> (o, final_state), for a Triton
-#: method or "auto"; with cu_seqlens the states are one per packed sequence, (N, H, D, E).
+#: (q, k, v, initial_state or None, method, cu_seqlens or None, normalized) -> (o, final_state),
+#: for a Triton method or "auto"; with cu_seqlens the states are one per packed sequence,
+#: (N, H, D, E). normalized (False by default): v's last column is ones, by whose product the
+#: caller divides (float32's products then stay 3xTF32, see the kernel files' float32_precision).
 causal_product_op = torch.ops.ttx_tutorial.causal_product.default
 
 
@@ -212,7 +220,7 @@ def _run_normalized(q, k, v, initial_state, eps, method):
     compute_dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     q_c, k_c, v_c = (x.to(compute_dtype) for x in (q, k, v))
     with_ones = torch.cat([v_c, v_c.new_ones((*v.shape[:-1], 1))], dim=-1)
-    o, final_state = _run(q_c, k_c, with_ones, initial_state, chosen)
+    o, final_state = _run(q_c, k_c, with_ones, initial_state, chosen, normalized=True)
     denominator = o[..., -1].float() + eps
     return (o[..., :-1] / (o[..., -1:] + eps)).to(v.dtype), final_state, denominator.contiguous()
 

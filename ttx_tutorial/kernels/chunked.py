@@ -36,16 +36,15 @@ tokens [cu_seqlens[b], cu_seqlens[b + 1]), in chunks from its first token, and t
 (N, H, D, E); the Kahan carry then follows the total length. Packed sequences are for the plain
 product only: ``chunked_normalized_attention`` takes no ``cu_seqlens`` (recurrent's and scan's do).
 Precision: products accumulate in float32. float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
-about 3e-7 against float64) for "highest", the default; one TF32 product (about 1e-3) for
-"high" and "medium". ``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` opts in to a faster
-"highest": each operand split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three
-bfloat16 products, about 6e-6), on the tiles where it ran right on a GPU (``split_is_right``:
-Triton 3.6 gets one family wrong) and for calls whose outputs are large enough for that error
-to hold (``split_is_accurate``), 3xTF32 elsewhere and in the normalised attention (its dq
-cancels to about 7e-5 under the split). It is not the default: a normalisation made outside
-the kernels, through a column of ones appended to v (packed sequences through chunked, the
-compiled recurrent and scan), cancels the same way, and its float32 dq erred by 1.4e-5.
+``torch.get_float32_matmul_precision()`` at each call (``FLOAT32_PRECISIONS``). "highest", the
+default, splits each operand into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three
+bfloat16 products, about 6e-6 against float64) on the tiles where that ran right on a GPU
+(``split_is_right``: Triton 3.6 gets one family wrong) and for calls whose outputs are large
+enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
+(``input_precision="tf32x3"``, about 3e-7). So does the normalised attention, whose dq cancels
+to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
+divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
+forward and backward). "high" and "medium" take one TF32 product (about 1e-3).
 bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16 keeps them in
 float32 (TF32 products, exact for float16 inputs): long sequences of positive features pass
 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
@@ -105,8 +104,9 @@ def _add_product(b_sum, b_carry, a, b, COMPENSATED: tl.constexpr, PRECISION: tl.
 #: bfloat16 products, which tensor cores run at twice TF32's rate. lo @ lo, about 2**-16 of the
 #: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
 #: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
-#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``). An
-#: opt-in for "highest" (``FLOAT32_PRECISIONS``), which ``benchmarks/float32_sweep.py --products`` times.
+#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
+#: "highest"'s products (``FLOAT32_PRECISIONS``); ``benchmarks/float32_sweep.py --products``
+#: times them against 3xTF32.
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -991,18 +991,18 @@ def _shared_memory_estimate(block_d, config, dtype):
 _NOMINAL_LIMITS = (132, 232448)
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: 3xTF32 for
-#: "highest", one TF32 product for "high" and "medium". Set "highest" to BF16X3_MANUAL for the
-#: split into bfloat16 parts (3xTF32 still where ``split_is_right`` or ``split_is_accurate``
-#: says no, and in the normalised attention; see the module docstring).
-FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
+#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
+#: no, and in the normalised attention; see the module docstring), one TF32 product for "high"
+#: and "medium". "tf32x3" in place of "bf16x3_manual" gives 3xTF32 everywhere.
+FLOAT32_PRECISIONS = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
 
 
 def float32_precision(normalized=False):
     """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
-    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1e-3) for "high" and
-    "medium"; a split into bfloat16 parts given there becomes "tf32x3" for the normalised
-    attention (``normalized``), whose dq cancels."""
+    the split into bfloat16 parts (about 6e-6) for "highest", the default, "tf32" (about 1e-3) for
+    "high" and "medium"; the split becomes "tf32x3" (about 3e-7) for the normalised attention
+    (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
     return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
 
@@ -1160,7 +1160,8 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
     row, and the states are per sequence: (N, H, D, E). With ``denominator``, a (B, H, T) float32
     tensor that receives d_t + eps, the normalised forward (NORMALIZE): its states have E + 1
     columns, z last (not with ``cu_seqlens``). ``normalized``: a pass of the normalised backward,
-    whose float32 products keep 3xTF32 as the normalised forward's do (``float32_precision``)."""
+    or a plain product whose caller normalises by its last column, whose float32 products keep
+    3xTF32 as the normalised forward's do (``float32_precision``)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:  # one program row and one state per packed sequence
@@ -1343,11 +1344,12 @@ class _ChunkedCausalProduct(torch.autograd.Function):
     """Forward: one pass. Backward: one fused launch, or up to three passes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens, normalized):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to fill
-        o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens)
+        o, final_state = _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens,
+                                 normalized=normalized)
         ctx.save_for_backward(q, k, v, initial_state, cu_seqlens)
-        ctx.config = config
+        ctx.config, ctx.normalized = config, normalized
         return o, final_state
 
     @staticmethod
@@ -1355,10 +1357,11 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True (see SECOND_ORDER_REFUSAL)
             raise RuntimeError(SECOND_ORDER_REFUSAL)
         q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
-        needs_q, needs_k, needs_v, needs_initial_state, _, _ = ctx.needs_input_grad
+        needs_q, needs_k, needs_v, needs_initial_state = ctx.needs_input_grad[:4]
         grad_q = grad_k = grad_v = grad_initial_state = None
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros_like(v)
+        passes = {"config": ctx.config, "cu_seqlens": cu_seqlens, "normalized": ctx.normalized}
         sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         fused = _backward_plan(sequences * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
                                _device_limits(q.device), triton.knobs.runtime.interpret,
@@ -1368,18 +1371,17 @@ class _ChunkedCausalProduct(torch.autograd.Function):
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q,
                 cu_seqlens=cu_seqlens)
             return (grad_q, grad_k if needs_k else None, grad_v if needs_v else None,
-                    grad_initial_state if needs_initial_state else None, None, None)
+                    grad_initial_state if needs_initial_state else None, None, None, None)
         if needs_q:  # dq_t = sum_{s<=t} (dO_t . v_s) k_s + S_0 dO_t
             initial_t = None if initial_state is None else initial_state.transpose(-1, -2)
-            grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, config=ctx.config, cu_seqlens=cu_seqlens)
+            grad_q, _ = _launch(grad_o, v, k, initial_t, reverse=False, **passes)
         if needs_k:  # dk_s = sum_{t>=s} (v_s . dO_t) q_t + G v_s
             g_t = None if grad_final_state is None else grad_final_state.transpose(-1, -2)
-            grad_k, _ = _launch(v, grad_o, q, g_t, reverse=True, config=ctx.config, cu_seqlens=cu_seqlens)
+            grad_k, _ = _launch(v, grad_o, q, g_t, reverse=True, **passes)
         if needs_v or needs_initial_state:  # dv_s = sum_{t>=s} (k_s . q_t) dO_t + G^T k_s
-            grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True,
-                                                 config=ctx.config, cu_seqlens=cu_seqlens)
+            grad_v, grad_initial_state = _launch(k, q, grad_o, grad_final_state, reverse=True, **passes)
         return (grad_q, grad_k, grad_v if needs_v else None,
-                grad_initial_state if needs_initial_state else None, None, None)
+                grad_initial_state if needs_initial_state else None, None, None, None)
 
 
 def _launch_normalized(q, k, v, initial_state, eps, config):
@@ -1687,15 +1689,18 @@ def _run_normalized_validated(q, k, v, initial_state=None, eps=1e-6, config=None
     return o, final_state
 
 
-def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None, normalized=False):
     """``chunked_causal_product`` for inputs already through ``check_inputs`` (the package's API
-    makes the same checks, once)."""
+    makes the same checks, once). ``normalized``: v ends with a column of ones, by whose product
+    the caller divides the others (the normalised attention of the other methods): float32
+    products keep 3xTF32, forward and backward, as the kernels' own normalised launches do."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ChunkedCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
+        return _ChunkedCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens, normalized)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens)
+    return _launch(q, k, v, initial_state, reverse=False, config=config, cu_seqlens=cu_seqlens,
+                   normalized=normalized)

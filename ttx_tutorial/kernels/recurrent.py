@@ -723,7 +723,7 @@ class _RecurrentCausalProduct(torch.autograd.Function):
         q, k, v, initial_state, cu_seqlens = ctx.saved_tensors
         if grad_o is None:  # only the final state was used
             grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        need_q, need_k, need_v, need_s0, _, _ = ctx.needs_input_grad
+        need_q, need_k, need_v, need_s0 = ctx.needs_input_grad[:4]
         # S_0^T and G^T are views (.mT): the kernel reads the state row by row, in any order.
         s0_t = initial_state.mT if initial_state is not None else None
         g = grad_final_state
@@ -989,9 +989,11 @@ def recurrent_causal_product(q, k, v, initial_state=None, *, config=None, cu_seq
     return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None, normalized=False):
     """``recurrent_causal_product`` for inputs already through ``check_inputs`` (the package's API
-    makes the same checks, once)."""
+    makes the same checks, once). ``normalized`` (v ends with a column of ones by whose product
+    the caller divides) changes nothing here: the walks multiply float32 exactly, on CUDA cores;
+    the other kernel files take it too, for their tensor-core products."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)

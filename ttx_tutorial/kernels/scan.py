@@ -57,16 +57,15 @@ the one that goes on, and pass 2 is a segmented scan: it carries a state into a 
 when the segment's first sequence began before the segment walked before, and restarts from
 that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call: 3xTF32 (``input_precision="tf32x3"``,
-about 3e-7 against float64) for "highest", the default; TF32 for "high" and "medium".
-``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` opts in to a faster "highest": each operand
-split into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three bfloat16 products, about
-6e-6), on the tiles where it ran right on a GPU (``split_is_right``: Triton 3.6 gets one family
-wrong) and for calls whose outputs are large enough for that error to hold
-(``split_is_accurate``), 3xTF32 elsewhere and in the normalised attention (its dq cancels to
-about 7e-5 under the split). It is not the default: a normalisation made outside the kernels,
-through a column of ones appended to v (packed sequences through chunked, the compiled
-recurrent and scan), cancels the same way, and its float32 dq erred by 1.4e-5. Under a split
+``torch.get_float32_matmul_precision()`` at each call (``FLOAT32_PRECISIONS``). "highest", the
+default, splits each operand into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three
+bfloat16 products, about 6e-6 against float64) on the tiles where that ran right on a GPU
+(``split_is_right``: Triton 3.6 gets one family wrong) and for calls whose outputs are large
+enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
+(``input_precision="tf32x3"``, about 3e-7). So does the normalised attention, whose dq cancels
+to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
+divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
+forward and backward). "high" and "medium" take TF32. Under a split
 (3xTF32, bfloat16 parts) the segment sums and states add each chunk's product in rounded
 float32, not in the tensor core's truncating accumulator. bfloat16 rounds the float32 state and
 scores to bfloat16; float16 keeps them in float32 (TF32 products).
@@ -140,8 +139,9 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr
 #: bfloat16 products, which tensor cores run at twice TF32's rate. lo @ lo, about 2**-16 of the
 #: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
 #: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
-#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``). An
-#: opt-in for "highest" (``FLOAT32_PRECISIONS``), which ``benchmarks/float32_sweep.py --products`` times.
+#: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
+#: "highest"'s products (``FLOAT32_PRECISIONS``); ``benchmarks/float32_sweep.py --products``
+#: times them against 3xTF32.
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -1392,18 +1392,18 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: 3xTF32 for
-#: "highest", one TF32 product for "high" and "medium". Set "highest" to BF16X3_MANUAL for the
-#: split into bfloat16 parts (3xTF32 still where ``split_is_right`` or ``split_is_accurate``
-#: says no, and in the normalised attention; see the module docstring).
-FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
+#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
+#: no, and in the normalised attention; see the module docstring), one TF32 product for "high"
+#: and "medium". "tf32x3" in place of "bf16x3_manual" gives 3xTF32 everywhere.
+FLOAT32_PRECISIONS = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
 
 
 def float32_precision(normalized=False):
     """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
-    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1e-3) for "high" and
-    "medium"; a split into bfloat16 parts given there becomes "tf32x3" for the normalised
-    attention (``normalized``), whose dq cancels."""
+    the split into bfloat16 parts (about 6e-6) for "highest", the default, "tf32" (about 1e-3) for
+    "high" and "medium"; the split becomes "tf32x3" (about 3e-7) for the normalised attention
+    (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
     return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
 
@@ -1733,13 +1733,15 @@ def _segment_outputs(q, k, v, starts, *, reverse, config, initial=None, segments
     return o, final_state
 
 
-def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, feature_map="identity"):
+def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, feature_map="identity",
+            normalized=False):
     """The forward's two launches. Returns (o, final_state, segment start states or None, segment
     length, segment table or None, d + eps or None). Packed (``cu_seqlens``): the segments of
     one sequence of total_T tokens, each walked piece by piece (``_segment_table``), one state per
     sequence. With ``eps``, the normalised forward
     (NORMALIZE): states of E + 1 columns, z last, and d_t + eps (B, H, T) float32 for the backward;
-    ``feature_map`` maps q and k in the kernels."""
+    ``feature_map`` maps q and k in the kernels. ``normalized``: a plain product whose caller
+    normalises by its last column (float32 products as ``_resolve_config`` gives them)."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -1752,7 +1754,7 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
         else:
             final_state.copy_(initial_state)
         return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
-    resolved = _resolve_config(q, v, config, normalized=normalize)
+    resolved = _resolve_config(q, v, config, normalized=normalize or normalized)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
@@ -1895,10 +1897,11 @@ SECOND_ORDER_REFUSAL = ("a gradient of these gradients (create_graph=True) is no
 
 class _ScanCausalProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, initial_state, config, cu_seqlens):
+    def forward(ctx, q, k, v, initial_state, config, cu_seqlens, normalized):
         ctx.set_materialize_grads(False)
-        ctx.config = config
-        o, final_state, starts, ctx.segment_len, segments, _ = _launch(q, k, v, initial_state, config, cu_seqlens)
+        ctx.config, ctx.normalized = config, normalized
+        o, final_state, starts, ctx.segment_len, segments, _ = _launch(q, k, v, initial_state, config, cu_seqlens,
+                                                                       normalized=normalized)
         ctx.save_for_backward(q, k, v, None if starts is None else starts.tensor, segments, initial_state)
         ctx.start_strides = None if starts is None else starts.strides
         ctx.n_states = final_state.shape[0]
@@ -1915,7 +1918,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         B, H, T, D = q.shape
         E = v.shape[-1]
         if T == 0:
-            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None)
+            return (*_empty_sequence_gradients(q, k, v, grad_final_state, needs), None, None, None)
         if grad_o is None:  # only S_T was used
             grad_o = torch.zeros(B, H, T, E, device=q.device, dtype=q.dtype)
         grad_final = _States.initial(grad_final_state, q.device)
@@ -1925,7 +1928,7 @@ class _ScanCausalProduct(torch.autograd.Function):
         overrides = {**(ctx.config or {}), "SEGMENT_LEN": ctx.segment_len}
         forward_starts = _States(start_tensor, ctx.start_strides)
         need_suffix = need_k or need_v or need_initial
-        config = _resolve_config(k, grad_o, overrides)
+        config = _resolve_config(k, grad_o, overrides, ctx.normalized)
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1])
         if fused is not None and need_suffix:
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
@@ -1936,9 +1939,10 @@ class _ScanCausalProduct(torch.autograd.Function):
                                                      grad_final=grad_final, **packed)
         else:
             dq, dk, dv, d_initial = _backward_in_passes(q, k, v, grad_o, forward_starts, forward_initial,
-                                                        grad_final, overrides, needs, packed)
+                                                        grad_final, overrides, needs, packed,
+                                                        normalized=ctx.normalized)
         return (dq, dk if need_k else None, dv if need_v else None,
-                d_initial if need_initial else None, None, None)
+                d_initial if need_initial else None, None, None, None)
 
 
 def _features_of(x, feature_map):
@@ -2222,18 +2226,20 @@ def scan_causal_product(q, k, v, initial_state=None, *, config=None, cu_seqlens=
     return _run_validated(q, k, v, initial_state, config, cu_seqlens)
 
 
-def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None):
+def _run_validated(q, k, v, initial_state=None, config=None, cu_seqlens=None, normalized=False):
     """``scan_causal_product`` for inputs already through ``check_inputs`` (the package's API
-    makes the same checks, once)."""
+    makes the same checks, once). ``normalized``: v ends with a column of ones, by whose product
+    the caller divides the others (the normalised attention of the other methods): float32
+    products keep 3xTF32, forward and backward, as the kernels' own normalised launches do."""
     if config is not None:
         check_config(config)
     q, k, v, initial_state = _resolved(q, k, v, initial_state)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()  # the kernels read offset n at cu_seqlens_ptr + n
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, initial_state)):
-        return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens)
+        return _ScanCausalProduct.apply(q, k, v, initial_state, config, cu_seqlens, normalized)
     # No gradient wanted: skip autograd's bookkeeping, a sizeable part of a small call's time.
-    return _launch(q, k, v, initial_state, config, cu_seqlens)[:2]
+    return _launch(q, k, v, initial_state, config, cu_seqlens, normalized=normalized)[:2]
 
 
 def _check_eps(eps):
