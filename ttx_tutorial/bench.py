@@ -24,6 +24,9 @@ Each row reports:
   for fast-transformers, whose kernels launch on the legacy default stream, outside the capture);
 - ``rel_err``: forward rows, ||o - ref|| / ||ref|| against float64 on batch 0 and up to two
   heads (for softmax attention, against float64 softmax attention on the last 256 queries);
+- ``float32_products``: float32 rows of the Triton methods, the products PyTorch's setting gave
+  their tensor cores (the kernel files' ``float32_precision()``: "bf16x3_manual", the split into
+  bfloat16 parts that "highest" takes where it runs right, "tf32x3" or "tf32"); None elsewhere;
 - ``floor_ms`` and ``bandwidth_TBps``: the bytes the operation must move at least (read q, k,
   v, write o; the backward also reads q, k, v and the output gradient and writes three
   gradients) over the device-to-device copy bandwidth measured at the start of the same run,
@@ -71,6 +74,7 @@ import triton.testing
 
 import ttx_tutorial
 from ttx_tutorial import _device, api
+from ttx_tutorial.kernels.chunked import float32_precision
 from ttx_tutorial.testing import random_inputs, reference, relative_error
 
 #: (B, H, T, D, E) of the reference grid.
@@ -299,7 +303,10 @@ def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> 
     """One row: see the module docstring for its fields."""
     row = {"shape": list(point.shape), "impl": contender.name, "mode": mode,
            "dtype": DTYPE_LABELS[point.dtype], "ms": None, "host_us": None, "gpu_ms": None,
-           "rel_err": None, "floor_ms": None, "bandwidth_TBps": None, "note": None}
+           "rel_err": None, "float32_products": None, "floor_ms": None, "bandwidth_TBps": None, "note": None}
+    if point.dtype == torch.float32 and contender.name in ttx_tutorial.METHODS \
+            and ttx_tutorial.method_info(contender.name).is_triton:
+        row["float32_products"] = float32_precision()
     if point.dtype not in contender.dtypes:
         row["note"] = f"skipped: {contender.name} takes {', '.join(DTYPE_LABELS.get(d, str(d)) for d in contender.dtypes)}"
         return row
@@ -474,7 +481,7 @@ def summary(rows: list[dict]) -> str:
 # --- output ----------------------------------------------------------------------------------
 
 CSV_FIELDS = ("part", "shape", "dtype", "mode", "impl", "ms", "host_us", "gpu_ms", "rel_err",
-              "floor_ms", "bandwidth_TBps", "note")
+              "float32_products", "floor_ms", "bandwidth_TBps", "note")
 
 
 def write_outputs(out: Path, env: dict, rows: list[dict]) -> list[Path]:
@@ -680,6 +687,8 @@ def _recorded_row(row: dict, recording: str) -> dict:
             "recording": recording, "host_us": round(row["host_us"], 1)}
     if row["gpu_ms"] is not None:
         kept["gpu_ms"] = round(row["gpu_ms"], 5)
+    if row.get("float32_products") is not None:
+        kept["float32_products"] = row["float32_products"]
     return kept
 
 
