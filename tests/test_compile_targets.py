@@ -137,12 +137,14 @@ def wrapper_calls(module):
     # float32 under TF32 ("high"): its own tiles (whole value heads up to 128 columns in chunked).
     for D, E in COVERAGE_HEAD_DIMS:
         add(2, 3, 777, D, E, torch.float32, matmul_precision="high")
-    # "highest" splits float32 into bfloat16 parts (BF16X3_MANUAL) on the tiles it ran right on,
-    # which the grid above compiles; 3xTF32 at those tiles too (the products of small calls, of
-    # the normalised attention, and what benchmarks/float32_sweep.py times with --products tf32x3).
+    # The other products of "highest" at two tiles: 3xTF32 where the file's default is the split
+    # into bfloat16 parts (BF16X3_MANUAL: chunked; 3xTF32 is then the products of small calls,
+    # of the normalised attention, and what benchmarks/float32_sweep.py times with --products
+    # tf32x3), the split where the default is 3xTF32 (scan, whose split is an opt-in).
     if hasattr(module, "BF16X3_MANUAL"):
+        other = "tf32x3" if module.FLOAT32_PRECISIONS["highest"] == "bf16x3_manual" else "bf16x3_manual"
         for D, E in ((64, 64), (128, 128)):
-            add(2, 3, 777, D, E, torch.float32, products="tf32x3")
+            add(2, 3, 777, D, E, torch.float32, products=other)
     # Long 16-bit sequences, past the chunk count where chunked sums its states with a carry.
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):

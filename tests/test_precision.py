@@ -23,6 +23,12 @@ from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations
 REPOSITORY = Path(__file__).resolve().parents[1]
 SETTINGS = ("highest", "high", "medium")
 EXPECTED_PRECISION = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
+#: scan's: 3xTF32 for "highest" (its split is an opt-in, see the kernel file).
+SCAN_EXPECTED_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+
+
+def expected_precision(family, setting):
+    return (SCAN_EXPECTED_PRECISION if family is scan else EXPECTED_PRECISION)[setting]
 
 
 def expected_products(setting, block_d, block_e, chunk, shape=(1, 2, 64, 64, 64), normalized=False):
@@ -73,8 +79,8 @@ def recorded_launches(module):
 
 
 def test_every_setting_of_pytorch_has_a_precision():
-    for family in (chunked, scan):
-        assert family.FLOAT32_PRECISIONS == EXPECTED_PRECISION
+    assert chunked.FLOAT32_PRECISIONS == EXPECTED_PRECISION
+    assert scan.FLOAT32_PRECISIONS == SCAN_EXPECTED_PRECISION
 
 
 @pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -85,7 +91,7 @@ def test_launches_follow_the_setting_at_each_call(family, matmul_precision, devi
     half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     for setting in (*SETTINGS, "highest"):
         matmul_precision(setting)
-        for inputs, expected in ((q, k, v), EXPECTED_PRECISION[setting]), (half, "tf32"):
+        for inputs, expected in ((q, k, v), expected_precision(family, setting)), (half, "tf32"):
             with recorded_launches(family) as launches:
                 o, _ = family._run_validated(*inputs)
                 o.sum().backward()
@@ -160,12 +166,15 @@ def test_chunked_launches_the_rule_of_the_setting(setting, matmul_precision, dev
 
 
 @pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_highest_splits_where_the_tile_is_right_and_keeps_3xtf32_elsewhere(family, matmul_precision, device):
-    """Under "highest" a plain product's float32 launches, forward and backward, take the split
-    into bfloat16 parts on a 64 x 64 tile and 3xTF32 on the 64-row, 32-column tile of 64-token
-    chunks (where Triton 3.6 compiles the split wrong for sm_90); the normalised attention keeps
-    3xTF32 on both. Both within float32's tolerance."""
+def test_highest_splits_where_the_tile_is_right_and_keeps_3xtf32_elsewhere(family, matmul_precision, monkeypatch,
+                                                                          device):
+    """Under "highest" with the split (chunked's default, scan's opt-in) a plain product's float32
+    launches, forward and backward, take the split into bfloat16 parts on a 64 x 64 tile and
+    3xTF32 on the 64-row, 32-column tile of 64-token chunks (where Triton 3.6 compiles the split
+    wrong for sm_90); the normalised attention keeps 3xTF32 on both. Both within float32's
+    tolerance."""
     matmul_precision("highest")
+    monkeypatch.setitem(family.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     q, k, v = random_inputs(1, 2, 150, 64, 64, device=device, seed=6, requires_grad=True)
     grad_o = torch.randn_like(v)
     _, _, ref_grads = reference_gradients(q, k, v, None, grad_o, torch.zeros(1, 2, 64, 64))
@@ -199,13 +208,14 @@ def test_both_files_split_on_the_same_measured_tiles_and_not_where_triton_is_wro
 
 
 @pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_highest_keeps_3xtf32_for_outputs_too_small_for_the_split(family, matmul_precision, device):
+def test_highest_keeps_3xtf32_for_outputs_too_small_for_the_split(family, matmul_precision, monkeypatch, device):
     """The split's error, about 6e-6 an element, can pass 1e-5 in the norm over a few dozen
-    elements: under "highest" a call whose smallest output (here the states, 2 x 16 x 24 = 768
-    elements, or dq's) has fewer than 1024 elements takes 3xTF32 in every launch; one with
-    32-wide heads (1024 and more) takes the split. The decision is the forward's and the
-    backward's alike."""
+    elements: under "highest" with the split (chunked's default, scan's opt-in) a call whose
+    smallest output (here the states, 2 x 16 x 24 = 768 elements, or dq's) has fewer than 1024
+    elements takes 3xTF32 in every launch; one with 32-wide heads (1024 and more) takes the
+    split. The decision is the forward's and the backward's alike."""
     matmul_precision("highest")
+    monkeypatch.setitem(family.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     for D, expected in ((16, "tf32x3"), (32, "bf16x3_manual")):
         q, k, v = random_inputs(1, 2, 80, D, 24, device=device, seed=7, requires_grad=True)
         with recorded_launches(family) as launches:
@@ -250,12 +260,18 @@ def test_a_product_divided_by_its_ones_column_keeps_3xtf32(seed, matmul_precisio
 
 
 @pytest.mark.parametrize("method", ["chunked", "scan"])
-def test_the_operator_keeps_3xtf32_for_a_product_it_is_told_is_divided(method, matmul_precision, device):
+def test_the_operator_keeps_3xtf32_for_a_product_it_is_told_is_divided(method, matmul_precision, monkeypatch,
+                                                                       device):
     """Under torch.compile the product with a ones column is ``ttx_tutorial::causal_product``
     with ``normalized=True``: its forward and its backward operator launch 3xTF32, where the
-    same operator unmarked takes the split."""
+    same operator unmarked takes the split (scan's opt-in: under the interpreter only, since a
+    GPU stopped on it here, see scan's kernel file)."""
     matmul_precision("highest")
     module = {"chunked": chunked, "scan": scan}[method]
+    if module is scan:
+        if not ttx_tutorial.INTERPRETED:
+            pytest.skip("scan's split is an opt-in that stopped on an illegal memory access on a GPU")
+        monkeypatch.setitem(scan.FLOAT32_PRECISIONS, "highest", "bf16x3_manual")
     q, k, v = random_inputs(1, 2, 96, 32, 32, device=device, seed=9, requires_grad=True)
     for normalized, expected in ((True, {"tf32x3"}), (False, {"bf16x3_manual"})):
         with recorded_launches(module) as launches:
@@ -271,7 +287,7 @@ def test_scan_launches_the_rule_of_the_setting(setting, matmul_precision, device
     q, k, v = random_inputs(B, H, T, D, E, device=device, seed=5)
     with recorded_launches(scan) as launches:
         scan._run_validated(q, k, v, config={"SEGMENT_LEN": 128})
-    rule = scan._default_blocks(D, E, torch.float32, EXPECTED_PRECISION[setting])
+    rule = scan._default_blocks(D, E, torch.float32, SCAN_EXPECTED_PRECISION[setting])
     assert [name for name, _ in launches] == ["scan_summaries_kernel", "scan_outputs_kernel"]
     for _, kwargs in launches:
         assert kwargs["CHUNK"] == rule["CHUNK"] and kwargs["BLOCK_E"] == rule["BLOCK_E"]
@@ -468,11 +484,12 @@ SPLIT_TILE_SHAPES = [(16, 16), (16, 64), (32, 32), (40, 72), (64, 16), (64, 32),
 @pytest.mark.parametrize("method", ["chunked", "scan"])
 @pytest.mark.parametrize("shape", SPLIT_TILE_SHAPES, ids=lambda s: f"D{s[0]}-E{s[1]}")
 def test_highest_is_within_float32_tolerance_on_every_tile(shape, method, value_block, matmul_precision):
-    """Under "highest" every launch takes the split into bfloat16 parts unless ``split_is_right``
-    or ``split_is_accurate`` says no, and the compiler gets some tiles wrong (errors near 1 or inf
-    on 64 x 32 tiles of 64-token chunks with Triton 3.6): forward, final state and every gradient
-    within float32's tolerance on tiles of both rules, with 2 heads (chunked's value blocks
-    narrowed to fill the GPU) and with chunked's 64-column blocks (as with many heads)."""
+    """Under "highest" every chunked launch takes the split into bfloat16 parts unless
+    ``split_is_right`` or ``split_is_accurate`` says no, and the compiler gets some tiles wrong
+    (errors near 1 or inf on 64 x 32 tiles of 64-token chunks with Triton 3.6); scan takes
+    3xTF32: forward, final state and every gradient within float32's tolerance on tiles of both
+    rules, with 2 heads (chunked's value blocks narrowed to fill the GPU) and with chunked's
+    64-column blocks (as with many heads)."""
     if method == "scan" and value_block is not None:
         pytest.skip("scan's rule does not narrow its blocks")
     matmul_precision("highest")

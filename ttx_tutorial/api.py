@@ -97,8 +97,8 @@ def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: 
 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
                   gradients: bool | None = None) -> str:
-    """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle,
-    and for float32 at full precision "scan" where a backward follows a long sequence.
+    """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle
+    (then "scan"), with float32's products at full precision as the kernel files take them.
 
     "chunked" runs one program per (batch, head, block of value columns) and walks the whole
     sequence; it is the fastest when those programs fill the GPU. With few long sequences (e.g.
@@ -106,13 +106,15 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     over segments (programs counted with chunked's value blocks before it narrows them for few
     heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
     from D = 65 to 128 those are whole heads up to 128 columns). float32 under "highest" runs
-    chunked's and scan's products as a split into bfloat16 parts (three bfloat16 products each):
-    up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan (its
-    forward+backward 1.11x faster than chunked's at (8, 16, 4096, 64) on an H200), a forward
-    alone chunked (1.07x faster than scan's). Where "highest" takes 3xTF32 instead (a
-    ``FLOAT32_PRECISIONS`` of 3xTF32), past D = 64 chunked's and scan's tiles spill and
-    "recurrent", whose per-token products need no tensor cores, is faster (1.6x forward and 1.7x
-    forward+backward at (8, 16, 4096, 128)).
+    chunked's products as a split into bfloat16 parts (three bfloat16 products) and scan's as
+    3xTF32 (three TF32 products, at half the rate; the kernel files' ``FLOAT32_PRECISIONS``): then
+    chunked is the faster of the two wherever the programs fill the GPU, forward+backward too, and
+    past D = 64 also where they do not (scan's 3xTF32 tiles spill there). Where both take the same
+    products, up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan
+    (its forward+backward 1.11x faster than chunked's at (8, 16, 4096, 64) on an H200 under the
+    split, 1.07x under 3xTF32), a forward alone chunked. Where chunked takes 3xTF32 too, past
+    D = 64 chunked's and scan's tiles spill and "recurrent", whose per-token products need no
+    tensor cores, is faster (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128)).
     ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
     and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
@@ -129,8 +131,10 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     if gradients is None:
         gradients = _gradients_follow(q, v)
     multiprocessors, _ = chunked._device_limits(q.device)
-    precision = chunked.float32_precision() if q.dtype == torch.float32 else None
-    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients)
+    precision = scan_precision = None
+    if q.dtype == torch.float32:
+        precision, scan_precision = chunked.float32_precision(), scan.float32_precision()
+    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients, scan_precision)
 
 
 def _gradients_follow(*tensors) -> bool:
@@ -140,15 +144,23 @@ def _gradients_follow(*tensors) -> bool:
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
 def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int,
-          float32_precision: str | None = "tf32x3", gradients: bool = False) -> str:
+          float32_precision: str | None = "tf32x3", gradients: bool = False,
+          scan_float32_precision: str | None = None) -> str:
     """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one;
     ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``),
+    ``scan_float32_precision`` scan's (``scan.float32_precision()``; None: the same),
     ``gradients`` whether a backward follows. tests/test_auto.py checks it against the recorded
-    benchmark and the float32 sweep."""
+    benchmark and the float32 sweeps."""
     if dtype == torch.float32 and float32_precision in _FULL_PRECISION_PRODUCTS:
+        scan_precision = float32_precision if scan_float32_precision is None else scan_float32_precision
         if float32_precision == "tf32x3" and D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "recurrent"
-        if gradients and T >= _TF32X3_SCAN_FROM_LENGTH and D <= _TF32X3_WIDEST_TENSOR_CORE_HEAD:
+        if scan_precision != float32_precision:
+            # chunked's split into bfloat16 parts against scan's 3xTF32: scan's products cost
+            # twice chunked's, and past D = 64 its 3xTF32 tiles spill.
+            if D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
+                return "chunked"
+        elif gradients and T >= _TF32X3_SCAN_FROM_LENGTH and D <= _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "scan"
     programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:

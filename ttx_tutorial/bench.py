@@ -24,8 +24,8 @@ Each row reports:
   for fast-transformers, whose kernels launch on the legacy default stream, outside the capture);
 - ``rel_err``: forward rows, ||o - ref|| / ||ref|| against float64 on batch 0 and up to two
   heads (for softmax attention, against float64 softmax attention on the last 256 queries);
-- ``float32_products``: float32 rows of the Triton methods, the products PyTorch's setting gave
-  their tensor cores (the kernel files' ``float32_precision()``: "bf16x3_manual", the split into
+- ``float32_products``: float32 rows of chunked and scan, the products PyTorch's setting gave
+  their tensor cores (the kernel file's ``float32_precision()``: "bf16x3_manual", the split into
   bfloat16 parts that "highest" takes where it runs right, "tf32x3" or "tf32"); None elsewhere;
 - ``floor_ms`` and ``bandwidth_TBps``: the bytes the operation must move at least (read q, k,
   v, write o; the backward also reads q, k, v and the output gradient and writes three
@@ -74,7 +74,7 @@ import triton.testing
 
 import ttx_tutorial
 from ttx_tutorial import _device, api
-from ttx_tutorial.kernels.chunked import float32_precision
+from ttx_tutorial.kernels import chunked, scan
 from ttx_tutorial.testing import random_inputs, reference, relative_error
 
 #: (B, H, T, D, E) of the reference grid.
@@ -299,14 +299,19 @@ def _softmax_reference(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
+#: The methods whose float32 products follow PyTorch's setting: their kernel file's
+#: ``float32_precision`` (recurrent multiplies on CUDA cores, in float32 whatever the setting).
+_FLOAT32_PRECISION_OF = {"chunked": chunked.float32_precision, "scan": scan.float32_precision}
+
+
 def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> dict:
     """One row: see the module docstring for its fields."""
     row = {"shape": list(point.shape), "impl": contender.name, "mode": mode,
            "dtype": DTYPE_LABELS[point.dtype], "ms": None, "host_us": None, "gpu_ms": None,
            "rel_err": None, "float32_products": None, "floor_ms": None, "bandwidth_TBps": None, "note": None}
-    if point.dtype == torch.float32 and contender.name in ttx_tutorial.METHODS \
-            and ttx_tutorial.method_info(contender.name).is_triton:
-        row["float32_products"] = float32_precision()
+    products_of = _FLOAT32_PRECISION_OF.get(contender.name)
+    if point.dtype == torch.float32 and products_of is not None:
+        row["float32_products"] = products_of()
     if point.dtype not in contender.dtypes:
         row["note"] = f"skipped: {contender.name} takes {', '.join(DTYPE_LABELS.get(d, str(d)) for d in contender.dtypes)}"
         return row

@@ -57,15 +57,17 @@ the one that goes on, and pass 2 is a segmented scan: it carries a state into a 
 when the segment's first sequence began before the segment walked before, and restarts from
 that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
-``torch.get_float32_matmul_precision()`` at each call (``FLOAT32_PRECISIONS``). "highest", the
-default, splits each operand into two bfloat16 parts in the kernel (``BF16X3_MANUAL``, three
-bfloat16 products, about 6e-6 against float64) on the tiles where that ran right on a GPU
-(``split_is_right``: Triton 3.6 gets one family wrong) and for calls whose outputs are large
-enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
-(``input_precision="tf32x3"``, about 3e-7). So does the normalised attention, whose dq cancels
-to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
-divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
-forward and backward). "high" and "medium" take TF32. Under a split
+``torch.get_float32_matmul_precision()`` at each call (``FLOAT32_PRECISIONS``): 3xTF32
+(``input_precision="tf32x3"``, about 3e-7 against float64) for "highest", the default; TF32 for
+"high" and "medium". ``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` splits each operand
+into two bfloat16 parts in the kernel instead (``BF16X3_MANUAL``, three bfloat16 products, about
+6e-6), as chunked's "highest" does, on the tiles where that ran right on a GPU (``split_is_right``)
+and for calls whose outputs are large enough for that error to hold (``split_is_accurate``), with
+3xTF32 in the normalised attention, whose dq cancels to about 7e-5 under the split (the kernels'
+own normalised launches, and a product whose caller divides by the product of a column of ones
+appended to v: ``_run_validated(normalized=True)``, forward and backward). It is not scan's
+default: with Triton 3.6 on an H200 two backward passes under it stopped on an illegal memory
+access (short sequences without S_0 or G), which the same passes at 3xTF32 do not. Under a split
 (3xTF32, bfloat16 parts) the segment sums and states add each chunk's product in rounded
 float32, not in the tensor core's truncating accumulator. bfloat16 rounds the float32 state and
 scores to bfloat16; float16 keeps them in float32 (TF32 products).
@@ -140,8 +142,8 @@ def _add_product(b_sum, a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr
 #: product, is left out, as Triton's "bf16x3" leaves it out: the plain product errs by about 6e-6
 #: against float64, within float32's 1e-5, but the normalised attention's dq, whose terms
 #: cancel, by about 7e-5, so the normalised launches keep 3xTF32 (``float32_precision``).
-#: "highest"'s products (``FLOAT32_PRECISIONS``); ``benchmarks/float32_sweep.py --products``
-#: times them against 3xTF32.
+#: A choice of ``FLOAT32_PRECISIONS`` for "highest" (chunked's default, not scan's: see the module
+#: docstring); ``benchmarks/float32_sweep.py --products`` times it against 3xTF32.
 BF16X3_MANUAL = tl.constexpr("bf16x3_manual")
 
 
@@ -1392,17 +1394,17 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
-#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: the split into
-#: bfloat16 parts for "highest" (3xTF32 where ``split_is_right`` or ``split_is_accurate`` says
-#: no, and in the normalised attention; see the module docstring), one TF32 product for "high"
-#: and "medium". "tf32x3" in place of "bf16x3_manual" gives 3xTF32 everywhere.
-FLOAT32_PRECISIONS = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
+#: ``torch.get_float32_matmul_precision()`` -> the products of float32 operands: 3xTF32 for
+#: "highest", one TF32 product for "high" and "medium". "bf16x3_manual" for "highest" splits
+#: them into bfloat16 parts (3xTF32 still where ``split_is_right`` or ``split_is_accurate`` says
+#: no, and in the normalised attention; not the default here: see the module docstring).
+FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
 
 
 def float32_precision(normalized=False):
     """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
-    the split into bfloat16 parts (about 6e-6) for "highest", the default, "tf32" (about 1e-3) for
-    "high" and "medium"; the split becomes "tf32x3" (about 3e-7) for the normalised attention
+    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1e-3) for "high" and
+    "medium"; a split into bfloat16 parts set there becomes "tf32x3" for the normalised attention
     (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
     return "tf32x3" if normalized and precision == BF16X3_MANUAL.value else precision
