@@ -72,8 +72,8 @@ AUTO = "auto"
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
-#: float32 products at full precision: "highest"'s split into bfloat16 parts and 3xTF32 (which
-#: "highest" takes on tiles and calls where the split gives way, see the kernel files).
+#: float32 products at full precision: the split into bfloat16 parts (chunked's "highest") and
+#: 3xTF32 (scan's, and chunked's on tiles and calls where the split gives way; see the kernel files).
 _FULL_PRECISION_PRODUCTS = ("bf16x3_manual", "tf32x3")
 #: Under 3xTF32: the widest head for which the tensor-core kernels beat "recurrent". Measured on
 #: an H200: at D = 64 chunked's forward is the fastest and scan's 4-warp tiles the fastest
