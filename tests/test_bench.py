@@ -75,6 +75,20 @@ def test_every_forward_error_is_finite_and_within_the_dtype_tolerance(quick_run)
             assert row["rel_err"] is None
 
 
+def test_float32_rows_name_the_products_of_their_kernel_file(quick_run):
+    """Each float32 row of chunked and scan names the products PyTorch's default setting gave its
+    tensor cores (chunked's split into bfloat16 parts, scan's 3xTF32), other rows none; the
+    record keeps them, so that tests/test_auto.py applies the rule with the recording's."""
+    _, report, recorded, _ = quick_run
+    expected = {"chunked": "bf16x3_manual", "scan": "tf32x3"}
+    for row in report["rows"]:
+        assert row["float32_products"] == (expected.get(row["impl"]) if row["dtype"] == "fp32" else None), row
+    newest = list(recorded["recordings"])[-1]
+    kept = [row for row in recorded["rows"]
+            if row["recording"] == newest and row["dtype"] == "fp32" and row["impl"] in expected]
+    assert kept and all(row["float32_products"] == expected[row["impl"]] for row in kept)
+
+
 def test_csv_and_plots_are_written(quick_run):
     folder, report, _, _ = quick_run
     with open(folder / "out" / "bench.csv", newline="") as handle:
