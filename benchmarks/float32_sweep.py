@@ -3,9 +3,10 @@
     python benchmarks/float32_sweep.py --out results/float32_sweep.json
 
 float32 inputs follow ``torch.get_float32_matmul_precision()``: "highest" multiplies with a split
-into bfloat16 parts (3xTF32 on the tiles where the split is wrong, and in the normalised
-attention), "high" and "medium" with TF32 (the kernel files' ``FLOAT32_PRECISIONS``; "medium" launches the
-same kernels as "high", so it is timed only with ``--settings``). For each shape (``--shapes``,
+into bfloat16 parts in chunked (3xTF32 on the tiles where the split is wrong, and in the
+normalised attention) and with 3xTF32 in scan, "high" and "medium" with TF32 (the kernel files'
+``FLOAT32_PRECISIONS``; "medium" launches the same kernels as "high", so it is timed only with
+``--settings``). For each shape (``--shapes``,
 by default the four reference shapes), forward ("fwd") and forward+backward ("fwd+bwd"), this
 times:
 
@@ -13,8 +14,9 @@ times:
   ``CANDIDATES`` (CHUNK, BLOCK_E, num_warps, num_stages; at most 8 per head size), through the
   kernel file's public ``chunked_causal_product``; ``scan`` with its rule and on 4 and 8 warps
   (``SCAN_CANDIDATES``); ``recurrent`` with its rule. Under "highest", once per kind of float32
-  products named by ``--products`` ("bf16x3_manual", the kernel files' own split into bfloat16
-  parts, ``BF16X3_MANUAL``, by default; "tf32x3", 3xTF32; Triton's bfloat16 splits "bf16x3" and
+  products named by ``--products``, set in both kernel files for the run ("bf16x3_manual", the
+  kernel files' own split into bfloat16 parts, ``BF16X3_MANUAL``, chunked's default and the
+  default of this option; "tf32x3", 3xTF32, scan's default; Triton's bfloat16 splits "bf16x3" and
   "bf16x6" on a GPU only), each row saying which (a split gives way to 3xTF32 on the tiles where
   the kernel files' ``split_is_right`` says no);
 - once, the peers when importable: fast-transformers' ``causal_dot_product`` (a CUDA kernel in
@@ -99,7 +101,7 @@ CANDIDATES = {
 SCAN_CANDIDATES = [{"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "num_stages": 3},
                    {"num_warps": 4, "num_stages": 4}]
 #: float32 products "highest" may use: the kernel files' own split into two bfloat16 parts
-#: (``BF16X3_MANUAL``, the kernels' default), 3xTF32 and Triton's splits into bfloat16 parts (two
+#: (``BF16X3_MANUAL``, chunked's default), 3xTF32 (scan's) and Triton's splits into bfloat16 parts (two
 #: parts, three products; three parts, six products).
 HIGHEST_PRODUCTS = ("bf16x3_manual", "tf32x3", "bf16x3", "bf16x6")
 #: Products the interpreter computes: Triton's own splits are lowered on a GPU only.
