@@ -221,6 +221,9 @@ def test_a_dtype_a_contender_refuses_is_skipped_with_the_reason():
     (["--shapes", "", "--sweep", ""], "--shapes and --sweep are both empty: nothing to measure"),
     (["--modes", "bwd"], "--modes: unknown 'bwd'; choose from fwd, fwd+bwd"),
     (["--modes", ""], "--dtypes, --modes and one of --methods/--peers must name at least one"),
+    (["--float32-settings", "low"], "--float32-settings: unknown 'low'; choose from highest, high, medium"),
+    (["--dtypes", "bf16", "--float32-settings", "high"], "--dtypes must name float32"),
+    (["--methods", "recurrent", "--float32-settings", "high"], "applies to chunked and scan: --methods names neither"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(arguments, message, capsys):
     with pytest.raises(SystemExit):
@@ -252,6 +255,27 @@ def test_output_and_record_files_are_refused_before_anything_is_measured(tmp_pat
 def test_short_dtype_names_are_accepted():
     assert bench.parse_names("fp32, bf16,float16", bench.DTYPES, "--dtypes", bench.DTYPE_ALIASES) == [
         "float32", "bfloat16", "float16"]
+
+
+def test_float32_settings_add_rows_of_chunked_and_scan_under_each_and_a_table_of_their_own(tmp_path):
+    """--float32-settings high: chunked and scan in float32 again under "high", as chunked@high and
+    scan@high, naming the products that setting gave them; recurrent (no matrix products) and
+    other dtypes get no such rows; PyTorch's setting is the run's again afterwards."""
+    before = torch.get_float32_matmul_precision()
+    code = bench.main(["--shapes", "1,1,20,8,16", "--sweep", "", "--dtypes", "fp32,bf16", "--modes", "fwd",
+                       "--methods", "chunked,scan,recurrent", "--peers", "", "--float32-settings", "high",
+                       "--out", str(tmp_path)])
+    assert code == 0 and torch.get_float32_matmul_precision() == before
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    measured = {(row["impl"], row["dtype"]): row["float32_products"] for row in rows if row["ms"] is not None}
+    assert measured == {("chunked", "fp32"): "bf16x3_manual", ("scan", "fp32"): "tf32x3", ("recurrent", "fp32"): None,
+                        ("chunked@high", "fp32"): "tf32", ("scan@high", "fp32"): "tf32",
+                        ("chunked", "bf16"): None, ("scan", "bf16"): None, ("recurrent", "bf16"): None}
+    tables = (tmp_path / "bench.md").read_text().split("\n\n")
+    titles = [table.splitlines()[0] for table in tables if table.strip() and not table.startswith("|")]
+    assert titles == ["fp32:", "fp32, torch.set_float32_matmul_precision('high'):", "bf16:"]
+    high_table = (tmp_path / "bench.md").read_text().split("'high'):")[1].split("bf16:")[0]
+    assert "chunked@high | scan@high |" in high_table and "| recurrent |" not in high_table
 
 
 def test_a_run_that_measures_nothing_fails_and_draws_no_plot(tmp_path, capsys):

@@ -13,6 +13,10 @@ of ``ttx_tutorial.METHODS``, and as peers, when importable, fla's ``chunk_linear
 normalize=False``, on its (B, T, H, D) layout, transposed outside the timed region),
 fast-transformers' ``causal_dot_product`` (float32 only) and PyTorch's causal
 ``scaled_dot_product_attention`` (softmax attention: where linear attention starts to pay).
+float32 runs under PyTorch's setting (``torch.get_float32_matmul_precision()``, "highest" by
+default); ``--float32-settings high`` also times chunked and scan, whose float32 products follow
+it, under "high" (TF32, as fla's float32), as rows named ``chunked@high`` and ``scan@high`` that
+``bench.md`` sets against the peers in a table of their own.
 Each row reports:
 
 - ``ms``: one call, the median of ``triton.testing.do_bench`` (CPU mode: the median wall time
@@ -53,6 +57,7 @@ command, see ``record`` in this module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -65,7 +70,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -111,6 +116,8 @@ class Contender:
     softmax: bool = False  # another function: checked against float64 softmax attention
     #: Why a CUDA graph cannot hold its calls, or None: a graph then times nothing of them.
     no_graph: str | None = None
+    #: A ``torch.set_float32_matmul_precision`` setting its calls run under, or None: the run's.
+    float32_setting: str | None = None
 
 
 def method_contenders(names: Iterable[str]) -> list[Contender]:
@@ -119,6 +126,23 @@ def method_contenders(names: Iterable[str]) -> list[Contender]:
 
     return [Contender(name, through_api(name), tuple(ttx_tutorial.method_info(name).dtypes))
             for name in names]
+
+
+#: Settings of ``torch.set_float32_matmul_precision`` that ``--float32-settings`` takes.
+FLOAT32_SETTINGS = ("highest", "high", "medium")
+
+
+def setting_contenders(names: Iterable[str], settings: Iterable[str]) -> list[Contender]:
+    """For each setting, the methods among ``names`` whose float32 products follow PyTorch's
+    setting (chunked and scan), named ``METHOD@SETTING``, float32 only."""
+    return [replace(contender, name=f"{contender.name}@{setting}", dtypes=(torch.float32,), float32_setting=setting)
+            for setting in settings
+            for contender in method_contenders(name for name in names if name in _FLOAT32_PRECISION_OF)]
+
+
+def method_of(impl: str) -> str:
+    """The method or peer a row's ``impl`` times: ``chunked@high`` times chunked."""
+    return impl.split("@")[0]
 
 
 def peer_contenders(names: Iterable[str]) -> tuple[list[Contender], dict[str, str]]:
@@ -304,12 +328,30 @@ def _softmax_reference(q, k, v):
 _FLOAT32_PRECISION_OF = {"chunked": chunked.float32_precision, "scan": scan.float32_precision}
 
 
+@contextlib.contextmanager
+def _float32_setting(setting: str | None):
+    """PyTorch's float32 matmul setting ``setting`` inside the block (None: unchanged)."""
+    previous = torch.get_float32_matmul_precision()
+    if setting is not None:
+        torch.set_float32_matmul_precision(setting)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> dict:
-    """One row: see the module docstring for its fields."""
+    """One row: see the module docstring for its fields. A contender with a float32 setting runs
+    under it: forward, backward, the graph's capture and the products named."""
+    with _float32_setting(contender.float32_setting):
+        return _measure(point, contender, mode, copy_TBps)
+
+
+def _measure(point: Point, contender: Contender, mode: str, copy_TBps: float) -> dict:
     row = {"shape": list(point.shape), "impl": contender.name, "mode": mode,
            "dtype": DTYPE_LABELS[point.dtype], "ms": None, "host_us": None, "gpu_ms": None,
            "rel_err": None, "float32_products": None, "floor_ms": None, "bandwidth_TBps": None, "note": None}
-    products_of = _FLOAT32_PRECISION_OF.get(contender.name)
+    products_of = _FLOAT32_PRECISION_OF.get(method_of(contender.name))
     if point.dtype == torch.float32 and products_of is not None:
         row["float32_products"] = products_of()
     if point.dtype not in contender.dtypes:
@@ -520,12 +562,19 @@ def markdown_tables(rows: list[dict]) -> str:
     method's (per call; GPU time in parentheses). Softmax attention is left out: another function."""
     tables = []
     shape_rows = [r for r in rows if r["part"] == "shapes" and r["impl"] != "sdpa_softmax"]
-    for dtype in dict.fromkeys(r["dtype"] for r in shape_rows):
-        selected = [r for r in shape_rows if r["dtype"] == dtype]
+    # A table per dtype, and per float32 setting that timed rows of ours (not only skipped ones).
+    tables_of = dict.fromkeys((r["dtype"], _setting_of(r["impl"])) for r in shape_rows
+                              if _setting_of(r["impl"]) is None or r["ms"] is not None)
+    for dtype, setting in tables_of:
+        # Rows of our methods under this setting (METHOD@SETTING; none: the run's), and the peers.
+        selected = [r for r in shape_rows if r["dtype"] == dtype
+                    and (_setting_of(r["impl"]) == setting or method_of(r["impl"]) not in ttx_tutorial.METHODS)]
         impls = list(dict.fromkeys(r["impl"] for r in selected))
-        ours = [impl for impl in impls if impl in ttx_tutorial.METHODS and api.method_info(impl).is_triton]
-        peers = [impl for impl in impls if impl not in ttx_tutorial.METHODS]
-        lines = [f"{dtype}:", "", "| (B, H, T, D, E) | mode | " + " | ".join(impls) + " | peers / ours |",
+        ours = [impl for impl in impls
+                if method_of(impl) in ttx_tutorial.METHODS and api.method_info(method_of(impl)).is_triton]
+        peers = [impl for impl in impls if method_of(impl) not in ttx_tutorial.METHODS]
+        title = f"{dtype}:" if setting is None else f"{dtype}, torch.set_float32_matmul_precision({setting!r}):"
+        lines = [title, "", "| (B, H, T, D, E) | mode | " + " | ".join(impls) + " | peers / ours |",
                  "|---" * (len(impls) + 3) + "|"]
         for shape in dict.fromkeys(tuple(r["shape"]) for r in selected):
             for mode in MODES:
@@ -546,6 +595,11 @@ def markdown_tables(rows: list[dict]) -> str:
                 lines.append(f"| {shape} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables) + "\n"
+
+
+def _setting_of(impl: str) -> str | None:
+    """The float32 setting a row of ours ran under (``chunked@high``: "high"), None for the run's."""
+    return impl.split("@")[1] if "@" in impl else None
 
 
 def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
@@ -806,6 +860,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated, of " + ", ".join(ttx_tutorial.METHODS) + "; default all")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS)
                         + ", or '' for none; default all (those not installed are left out)")
+    parser.add_argument("--float32-settings", default="",
+                        help="comma-separated, of " + ", ".join(FLOAT32_SETTINGS) + ": also time the methods whose "
+                        "float32 products follow torch.set_float32_matmul_precision (chunked, scan) under each, "
+                        "as float32 rows named METHOD@SETTING; default none")
     parser.add_argument("--out", default="bench-results", help="directory for CSV, JSON and PNG; default %(default)s")
     parser.add_argument("--record", type=Path, help="merge the rows into this recorded-data JSON file")
     parser.add_argument("--note", help="with --record: what a reader of the recording must know")
@@ -826,6 +884,12 @@ def main(argv: list[str] | None = None) -> int:
         modes = parse_names(args.modes, MODES, "--modes")
         methods = parse_names(args.methods, ttx_tutorial.METHODS, "--methods")
         peers = parse_names(args.peers, PEERS, "--peers")
+        settings = parse_names(args.float32_settings, FLOAT32_SETTINGS, "--float32-settings")
+        if settings and torch.float32 not in dtypes:
+            raise ValueError("--float32-settings times float32 rows: --dtypes must name float32")
+        if settings and not set(methods) & set(_FLOAT32_PRECISION_OF):
+            raise ValueError("--float32-settings applies to " + " and ".join(_FLOAT32_PRECISION_OF)
+                             + ": --methods names neither")
         if not dtypes or not modes or not (methods or peers):
             raise ValueError("--dtypes, --modes and one of --methods/--peers must name at least one")
         if not shapes and sweep is None:
@@ -843,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     found, missing = peer_contenders(peers)
     for name, reason in missing.items():
         print(f"peer {name} left out: {reason}")
-    contenders = method_contenders(methods) + found
+    contenders = method_contenders(methods) + setting_contenders(methods, settings) + found
     started = time.perf_counter()
     copy_TBps = copy_bandwidth_TBps(args.quick)
     env = environment(command, copy_TBps)
