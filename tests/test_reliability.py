@@ -525,6 +525,30 @@ KERNEL_FILE_CALLS = {
 }
 
 
+#: Each kernel file's kernel that its input check looks at to tell the mode it was imported in.
+MODE_KERNELS = {"chunked": "chunked_kernel", "scan": "scan_outputs_kernel", "recurrent": "recurrent_tokens_kernel",
+                "feature_map": "feature_map_kernel", "step": "step_kernel"}
+
+
+@pytest.mark.parametrize("name", KERNEL_FILE_CALLS)
+def test_a_stand_in_for_the_kernel_passes_the_mode_check_on_a_gpu(name):
+    """Outside the interpreter, as on a GPU, a test's launch recorder standing in for a kernel is
+    neither a GPU kernel nor an interpreter function: the mode check lets it pass, and the call
+    goes on to the next check (here the device of these CPU tensors)."""
+    script = f"""
+        import torch
+        from ttx_tutorial.kernels import {name}
+        {name}.{MODE_KERNELS[name]} = object()
+        q = k = v = torch.randn(1, 2, 5, 4)
+        try:
+            {KERNEL_FILE_CALLS[name]}
+        except (RuntimeError, ValueError) as error:
+            print(type(error).__name__ + ":", error)
+        """
+    child = run_python(script, timeout=300)  # TTX_TUTORIAL_DEVICE=cuda: GPU mode, on any machine
+    assert "switched" not in child.stdout and "the GPU" in child.stdout, child.stdout + child.stderr
+
+
 @pytest.mark.parametrize("name", KERNEL_FILE_CALLS)
 def test_a_kernel_file_refuses_an_interpreter_switched_on_after_its_import(name, tmp_path):
     """@triton.jit chooses between a GPU kernel and the interpreter when the file is imported; a copy
