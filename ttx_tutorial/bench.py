@@ -145,6 +145,11 @@ def method_of(impl: str) -> str:
     return impl.split("@")[0]
 
 
+def _setting_of(impl: str) -> str | None:
+    """The float32 setting a row of ours ran under (``chunked@high``: "high"), None for the run's."""
+    return impl.split("@")[1] if "@" in impl else None
+
+
 def peer_contenders(names: Iterable[str]) -> tuple[list[Contender], dict[str, str]]:
     """The peers that can run here, and why each other one cannot."""
     found, missing = [], {}
@@ -595,11 +600,6 @@ def markdown_tables(rows: list[dict]) -> str:
                 lines.append(f"| {shape} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables) + "\n"
-
-
-def _setting_of(impl: str) -> str | None:
-    """The float32 setting a row of ours ran under (``chunked@high``: "high"), None for the run's."""
-    return impl.split("@")[1] if "@" in impl else None
 
 
 def plot(out: Path, env: dict, rows: list[dict]) -> list[Path]:
