@@ -186,6 +186,11 @@ def test_config_validation():
     q, k, v = random_inputs(1, 1, 2, 4, seed=0)
     with pytest.raises(ValueError, match="COLS"):
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 2, "COLS": 4})
+    with pytest.raises(ValueError, match="HALVES must be 1 or 2"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "tokens", "HALVES": 4})
+    # The normalised walks carry z or dz beside the state, in one tile.
+    with pytest.raises(ValueError, match="HALVES must be 1 for the normalised attention"):
+        recurrent.recurrent_normalized_attention(q.abs(), k.abs(), v, config={"WALK": "tokens", "HALVES": 2})
     with pytest.raises(ValueError, match="power of two"):
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 6})
     with pytest.raises(ValueError, match="BLOCK_T must be a power of two"):
