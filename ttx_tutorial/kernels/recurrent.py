@@ -32,8 +32,8 @@ Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@trito
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, and the
-normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included). ``HALVES`` = 2: the interpreter
-and the sm_90 compiles of both versions; not yet the test suite on a GPU.
+normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included); ``HALVES`` = 2 by this file's,
+the packed sequences' and the operator's tests on an H100 with Triton 3.6.
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
