@@ -87,7 +87,10 @@ def test_backward_matches_float64(shape, dtype, with_state):
 #: float32 parts are added. Tokens: 32 value columns a program in 2 groups (several programs at
 #: E = 65), 4 tokens a step and a tail at T = 5, 7, 33.
 SMALL_WALKS = {"blocks": {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 4, "BLOCK_T": 8},
-               "tokens": {"WALK": "tokens", "BLOCK_E": 32, "COLS": 16, "UNROLL": 4}}
+               "tokens": {"WALK": "tokens", "BLOCK_E": 32, "COLS": 16, "HALVES": 1, "UNROLL": 4},
+               # The key rows in two tiles: rows past BLOCK_D / 2 (D = 9, 24, 250; E = 65 in dq's
+               # and dk's walks) land in the second.
+               "halves": {"WALK": "tokens", "BLOCK_E": 16, "COLS": 8, "HALVES": 2, "UNROLL": 4}}
 
 
 @pytest.mark.parametrize("walk", SMALL_WALKS)
@@ -171,7 +174,9 @@ def test_default_rule_fills_the_gpu():
                     continue
                 block_d = recurrent._block_d(D)
                 # The groups fill the lanes the k tile leaves (see the caveats of the module docstring).
-                assert cfg["BLOCK_E"] // cfg["COLS"] == recurrent._groups(block_d, dtype.itemsize)
+                assert cfg["BLOCK_E"] // cfg["COLS"] == recurrent._groups(block_d // cfg["HALVES"], dtype.itemsize)
+                # Two tiles of key rows where one float32 tile of 128 would take every lane.
+                assert cfg["HALVES"] == (2 if dtype == torch.float32 and block_d == 128 else 1)
                 assert recurrent._shared_memory_bytes(block_d, cfg, dtype.itemsize) <= recurrent._SHARED_MEMORY_BUDGET
                 if dtype.itemsize == 2 and D == 64:  # the v block is large enough to be copied asynchronously
                     assert cfg["UNROLL"] * cfg["BLOCK_E"] >= 64
@@ -181,6 +186,11 @@ def test_config_validation():
     q, k, v = random_inputs(1, 1, 2, 4, seed=0)
     with pytest.raises(ValueError, match="COLS"):
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 2, "COLS": 4})
+    with pytest.raises(ValueError, match="HALVES must be 1 or 2"):
+        recurrent.recurrent_causal_product(q, k, v, config={"WALK": "tokens", "HALVES": 4})
+    # The normalised walks carry z or dz beside the state, in one tile.
+    with pytest.raises(ValueError, match="HALVES must be 1 for the normalised attention"):
+        recurrent.recurrent_normalized_attention(q.abs(), k.abs(), v, config={"WALK": "tokens", "HALVES": 2})
     with pytest.raises(ValueError, match="power of two"):
         recurrent.recurrent_causal_product(q, k, v, config={"BLOCK_E": 6})
     with pytest.raises(ValueError, match="BLOCK_T must be a power of two"):
@@ -213,10 +223,10 @@ _RECORD_AND_COMPILE = """
         from ttx_tutorial.kernels import recurrent
 
 
-        def compile_recorded_launch(kernel, B, H, T, D, with_state):
+        def compile_recorded_launch(kernel, B, H, T, D, with_state, dtype=torch.bfloat16):
             launches = []
             kernel.run = lambda *args, grid, warmup, **kwargs: launches.append((args, kwargs))
-            q, k, v = (torch.zeros(B, H, T, D, dtype=torch.bfloat16) for _ in range(3))
+            q, k, v = (torch.zeros(B, H, T, D, dtype=dtype) for _ in range(3))
             recurrent._run_validated(q, k, v, torch.zeros(B, H, D, D) if with_state else None)
             del kernel.run
             assert len(launches) == 1, len(launches)
@@ -288,6 +298,38 @@ def test_default_bf16_launch_pipelines_every_load(with_state):
     expected_layout = ("reduced layouts: ['#ttg.blocked<{sizePerThread = [8, 1, 1], "
                        "threadsPerWarp = [8, 4, 1]")
     assert expected_layout in report, report
+
+
+@pytest.mark.parametrize("heads", [(8, 16), (2, 16)], ids=["many_programs", "few_programs"])
+def test_float32_d128_launch_sums_over_16_lanes(heads):
+    """float32 at D = 128 (module docstring, caveats; ``default_config``): as launched on aligned
+    (B, H, 4096, 128) tensors, the state is two tiles of 64 key rows, each thread holds 4
+    contiguous rows of COLS columns and the sum over D crosses 16 lanes (one 128-row tile would
+    cross all 32, with no lane left for the groups); every load of the token loop is an
+    asynchronous copy, and nothing spills."""
+    B, H = heads
+    result = run_python(_RECORD_AND_COMPILE + f"""
+        import re
+
+        cfg = recurrent.default_config({B}, {H}, 128, 128, torch.float32, multiprocessors=132)
+        compiled = compile_recorded_launch(recurrent.recurrent_tokens_kernel, {B}, {H}, 4096, 128, False,
+                                           torch.float32)
+        loop = max(loop_bodies(compiled.asm["ttgir"]), key=lambda body: body.count('"tt.reduce"'))
+        layouts = dict(re.findall(r"^(#\\w+) = (#ttg\\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
+        reduced = re.findall(r'"tt\\.reduce".*?\\}}\\) : \\(tensor<64x\\w+, (#\\w+)>', loop, re.S)
+        print("HALVES:", cfg["HALVES"], "GROUPS:", cfg["BLOCK_E"] // cfg["COLS"])
+        print("plain loads in the loop:", loop.count("tt.load "))
+        print("asynchronous copies in the loop:", loop.count("async_copy_global_to_local"))
+        print("reduced layouts:", sorted({{layouts[name] for name in reduced}}))
+        print_resources(compiled)
+    """)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stdout
+    assert "HALVES: 2 GROUPS: 2" in report, report
+    assert "plain loads in the loop: 0" in report, report
+    assert "asynchronous copies in the loop: 0" not in report, report
+    assert "reduced layouts: ['#ttg.blocked<{sizePerThread = [4, 1, 1], threadsPerWarp = [16, 2, 1]" in report, report
+    assert "STACK:0" in report, report
 
 
 def test_few_heads_block_walk_compiles_to_an_in_thread_scan():

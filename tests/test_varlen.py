@@ -114,7 +114,7 @@ SMALL_CONFIGS = {
     "scan": [{"CHUNK": 16, "SEGMENT_LEN": 16}, {"CHUNK": 16, "SEGMENT_LEN": 32}],
     # D split in two; the tokens walk, which the interpreter's rule does not take, in small steps
     "recurrent": [{"WALK": "blocks", "BLOCK_D": 4, "BLOCK_E": 4, "BLOCK_T": 4},
-                  {"WALK": "tokens", "BLOCK_E": 4, "COLS": 2, "UNROLL": 4}],
+                  {"WALK": "tokens", "BLOCK_E": 4, "COLS": 2, "HALVES": 1, "UNROLL": 4}],
 }
 
 
@@ -125,6 +125,15 @@ def test_kernel_files_with_small_chunks_and_segments(method, config):
     def run(q, k, v, s0, cu_seqlens):
         return KERNEL_FILES[method](q, k, v, s0, config=config, cu_seqlens=cu_seqlens)
     check_against_loop(run, for_method(method, MIXED), torch.float32)
+
+
+def test_recurrent_key_rows_in_two_tiles_on_packed_sequences():
+    """recurrent's HALVES = 2 (the state's key rows in two tiles) on packed sequences, with D and
+    E past one tile's 16 rows, so that both tiles hold rows in every walk of the backward too."""
+    def run(q, k, v, s0, cu_seqlens):
+        return KERNEL_FILES["recurrent"](q, k, v, s0, config={"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "HALVES": 2,
+                                                              "UNROLL": 4}, cu_seqlens=cu_seqlens)
+    check_against_loop(run, for_method("recurrent", MIXED), torch.float32, D=24, E=20)
 
 
 #: Boundaries on scan's 16-token segment edges (16, 32, 64), empty sequences sitting on them and

@@ -32,11 +32,15 @@ Without a GPU: set TRITON_INTERPRET=1 before importing this file, since ``@trito
 Triton's CPU interpreter at import; the wrappers refuse an interpreter switched on or off afterwards.
 Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 with Triton 3.6
 and 3.9; the test suite on an H200 with Triton 3.6 (the packed launches, ``IS_VARLEN``, and the
-normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included).
+normaliser, ``NORMALIZE`` and ``NORMALIZER_GRADIENT``, included); ``HALVES`` = 2 by this file's,
+the packed sequences' and the operator's tests on an H100 with Triton 3.6.
 Caveats: speed depends on the register layout Triton picks. The tokens walk holds the state as
 [BLOCK_D, GROUPS, COLS] (GROUPS * COLS = BLOCK_E): k_t and q_t load as [BLOCK_D, GROUPS, 1]
 tiles, each thread a 16-byte run of d, so COLS columns share one load and the sum over D is
-mostly in-thread. GROUPS must equal the lanes the k tile leaves (``_groups``), and any
+mostly in-thread. A float32 row of 128 keys takes all 32 lanes that way; ``HALVES`` = 2 holds
+the state as two [BLOCK_D / 2, GROUPS, COLS] tiles instead (rows d and d + BLOCK_D / 2 side by
+side), whose k tiles leave lanes to the groups. GROUPS must equal the lanes the k tile leaves
+(``_groups`` of BLOCK_D / HALVES rows), and any
 [BLOCK_D, BLOCK_E] load can impose its layout on the loop: the initial state is therefore added
 row by row. v is loaded as one [UNROLL, GROUPS, COLS] block so that Triton's pipeliner copies it
 asynchronously. The blocks walk is fast only while its cumsum axis stays in each thread; larger
@@ -79,6 +83,23 @@ def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, IN
     b_o = tl.sum(b_state * b_q, axis=0, keep_dims=True)
     tl.store(o_row_ptr, _rounded(b_o, o_row_ptr.dtype.element_ty, INTERPRETED), mask=mask_row)
     return b_state
+
+
+@triton.jit
+def _halves_token(b_state, b_state_hi, q_col_ptr, k_col_ptr, half_q, half_k, b_v, o_row_ptr, mask_col, mask_col_hi,
+                  mask_row, INTERPRETED: tl.constexpr):
+    """_token with the state's key rows in two tiles (HALVES = 2): rows d and d + BLOCK_D / 2 at
+    the same place of each, k and q's second halves half_k and half_q elements further on. The
+    products of both tiles are added before the sum over D, so the lanes reduce once."""
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_k_hi = tl.load(k_col_ptr + half_k, mask=mask_col_hi, other=0.0).to(tl.float32)
+    b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
+    b_q_hi = tl.load(q_col_ptr + half_q, mask=mask_col_hi, other=0.0).to(tl.float32)
+    b_state += b_k * b_v
+    b_state_hi += b_k_hi * b_v
+    b_o = tl.sum(b_state * b_q + b_state_hi * b_q_hi, axis=0, keep_dims=True)
+    tl.store(o_row_ptr, _rounded(b_o, o_row_ptr.dtype.element_ty, INTERPRETED), mask=mask_row)
+    return b_state, b_state_hi
 
 
 @triton.jit
@@ -138,6 +159,9 @@ def recurrent_tokens_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D: the whole key dimension
     BLOCK_E: tl.constexpr,  # value columns handled by this program
     COLS: tl.constexpr,  # value columns per thread (divides BLOCK_E)
+    # 1, or 2: the state's key rows as two tiles of BLOCK_D / 2 rows, whose k and q tiles leave
+    # more lanes to the groups (plain walks only: NORMALIZE and NORMALIZER_GRADIENT need 1)
+    HALVES: tl.constexpr,
     UNROLL: tl.constexpr,  # tokens per loop iteration
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the token loop
     IS_VARLEN: tl.constexpr,  # q, k, v, o hold B sequences packed along T of one batch row
@@ -156,6 +180,8 @@ def recurrent_tokens_kernel(
     b = (pid_bh // H).to(tl.int64)  # 64-bit: b * stride_qb can exceed 2**31 on large batches
     h = (pid_bh % H).to(tl.int64)
     GROUPS: tl.constexpr = BLOCK_E // COLS
+    ROWS: tl.constexpr = BLOCK_D // HALVES  # key rows of one state tile
+    tl.static_assert(HALVES == 1 or (HALVES == 2 and not NORMALIZE and NORMALIZER_GRADIENT == 0))
     # Packed: b numbers the sequence (its states are row b), which is tokens [bos, eos) of row 0.
     input_b = b
     if IS_VARLEN:
@@ -171,35 +197,40 @@ def recurrent_tokens_kernel(
     elif NORMALIZE or NORMALIZER_GRADIENT != 0:
         normalizer_ptr += (b * H + h) * T
 
-    # State [BLOCK_D, GROUPS, COLS]; value column offs_e[g, c] (see the header's caveats).
-    offs_d = tl.arange(0, BLOCK_D)
+    # State [ROWS, GROUPS, COLS] (and a second tile for rows ROWS.. with HALVES = 2); value
+    # column offs_e[g, c] (see the header's caveats).
+    offs_d = tl.arange(0, ROWS)
     offs_e = pid_e * BLOCK_E + tl.arange(0, GROUPS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     mask_d = offs_d < D
     mask_e = offs_e < E
     # Rows d >= D of the state stay zero because k is masked to 0 there; columns e >= E because v is.
     mask_row = mask_e[None, :, :]
 
-    b_state = tl.zeros([BLOCK_D, GROUPS, COLS], dtype=tl.float32)
+    b_state = tl.zeros([ROWS, GROUPS, COLS], dtype=tl.float32)
+    if HALVES == 2:
+        b_state_hi = tl.zeros([ROWS, GROUPS, COLS], dtype=tl.float32)
     if has_initial_state:
         # Row by row, so that this load does not impose its layout on the loop.
         s0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + offs_e[None, :, :] * stride_s0e
         for d in range(0, D):
             b_row = tl.load(s0_row_ptr + d * stride_s0d, mask=mask_row, other=0.0)
             b_state += tl.where(offs_d[:, None, None] == d, b_row, 0.0)
+            if HALVES == 2:
+                b_state_hi += tl.where(offs_d[:, None, None] + ROWS == d, b_row, 0.0)
 
     # Step i of the walk reads token first + direction * i; the pointers move by one step a token.
     # tl.cast, not .to(): with T = 1 and reverse = 1 Triton passes both as constants, and the
     # product is then a Python int.
     first = tl.cast(reverse * (T - 1), tl.int64)
     direction = 1 - 2 * reverse
-    d_tile = tl.broadcast_to(offs_d[:, None, None], (BLOCK_D, GROUPS, 1))
+    d_tile = tl.broadcast_to(offs_d[:, None, None], (ROWS, GROUPS, 1))
     offs_u = tl.arange(0, UNROLL)
     if NORMALIZE:
         # z as k (see _normalized_token). d_t + eps belongs to no value block: the first block
         # stores it, from the first element of its row, once per iteration (a store per token
         # holds the registers of its pointers and masks, UNROLL times: 60 more at D = 64; a
         # [UNROLL, GROUPS, 1] block instead of the rows' shape, 17 more at D = 128).
-        b_z = tl.zeros([BLOCK_D, GROUPS, 1], dtype=tl.float32)
+        b_z = tl.zeros([ROWS, GROUPS, 1], dtype=tl.float32)
         if has_initial_state:
             z0_row_ptr = initial_state_ptr + b * stride_s0b + h * stride_s0h + E * stride_s0e
             for d in range(0, D):  # row by row, as the state
@@ -219,6 +250,9 @@ def recurrent_tokens_kernel(
     v_row_ptr = v_ptr + input_b * stride_vb + h * stride_vh + first * stride_vt + offs_e[None, :, :] * stride_ve
     o_row_ptr = o_ptr + input_b * stride_ob + h * stride_oh + first * stride_ot + offs_e[None, :, :] * stride_oe
     mask_col = d_tile < D
+    mask_col_hi = d_tile + ROWS < D  # HALVES = 2: the second tile's rows
+    half_q = ROWS * stride_qd
+    half_k = ROWS * stride_kd
     step_q = direction * stride_qt
     step_k = direction * stride_kt
     step_v = direction * stride_vt
@@ -243,6 +277,10 @@ def recurrent_tokens_kernel(
                 b_state, b_row_sum = _gradient_token(b_state, b_row_sum, q_col_ptr + j * step_q, k_col_ptr + j * step_k,
                                                      b_v, o_row_ptr + j * step_o, tl.load(normalizer_ptr + j * direction),
                                                      mask_col, mask_row, NORMALIZER_GRADIENT, INTERPRETED)
+            elif HALVES == 2:
+                b_state, b_state_hi = _halves_token(b_state, b_state_hi, q_col_ptr + j * step_q, k_col_ptr + j * step_k,
+                                                    half_q, half_k, b_v, o_row_ptr + j * step_o, mask_col,
+                                                    mask_col_hi, mask_row, INTERPRETED)
             else:
                 b_state = _token(b_state, q_col_ptr + j * step_q, k_col_ptr + j * step_k, b_v,
                                  o_row_ptr + j * step_o, mask_col, mask_row, INTERPRETED)
@@ -268,6 +306,9 @@ def recurrent_tokens_kernel(
                                                  tl.load(normalizer_ptr), mask_col, mask_row, NORMALIZER_GRADIENT,
                                                  INTERPRETED)
             normalizer_ptr += direction
+        elif HALVES == 2:
+            b_state, b_state_hi = _halves_token(b_state, b_state_hi, q_col_ptr, k_col_ptr, half_q, half_k, b_v,
+                                                o_row_ptr, mask_col, mask_col_hi, mask_row, INTERPRETED)
         else:
             b_state = _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, INTERPRETED)
         q_col_ptr += step_q
@@ -285,13 +326,15 @@ def recurrent_tokens_kernel(
         final_tile_ptr = (final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width
                           + offs_e[None, :, :])
         tl.store(final_tile_ptr, b_state, mask=mask_d[:, None, None] & mask_row)
+        if HALVES == 2:
+            tl.store(final_tile_ptr + ROWS * width, b_state_hi, mask=(offs_d[:, None, None] + ROWS < D) & mask_row)
         if NORMALIZER_GRADIENT != 0:
             tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + D * width + offs_e[None, :, :], b_row_sum,
                      mask=mask_row)
         if NORMALIZE:
             # From element 0 of the first block's rows, like d_t + eps.
             tl.store(final_state_ptr + pid_bh.to(tl.int64) * state_rows * width + offs_d[:, None, None] * width + E
-                     + offs_row * 0, tl.broadcast_to(b_z, (BLOCK_D, GROUPS, COLS)),
+                     + offs_row * 0, tl.broadcast_to(b_z, (ROWS, GROUPS, COLS)),
                      mask=mask_d[:, None, None] & mask_denominator)
 
 
@@ -443,7 +486,7 @@ def recurrent_blocks_kernel(
 #: The two walks: "tokens" (recurrent_tokens_kernel, one token per step) and "blocks"
 #: (recurrent_blocks_kernel, BLOCK_T tokens per step), and the ``config`` keys each one reads.
 WALK_KEYS = {
-    "tokens": ("BLOCK_E", "COLS", "UNROLL", "num_warps", "num_stages"),
+    "tokens": ("BLOCK_E", "COLS", "HALVES", "UNROLL", "num_warps", "num_stages"),
     "blocks": ("BLOCK_D", "BLOCK_E", "BLOCK_T", "num_warps", "num_stages"),
 }
 
@@ -456,11 +499,13 @@ _SHARED_MEMORY_BUDGET = 48 * 1024
 
 #: Alternatives to the default rule worth timing on a new GPU (D = 64 and 128 in mind).
 TUNING_CANDIDATES = (
-    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=64 rule
-    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},   # the same, half the smem
-    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest instructions
-    {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads, tokens walk
-    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "num_warps": 1, "UNROLL": 8, "num_stages": 3},   # many heads, D=128 rule
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "HALVES": 1, "num_warps": 1, "UNROLL": 8, "num_stages": 3},  # many heads, D=64 rule
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 2, "HALVES": 1, "num_warps": 1, "UNROLL": 8, "num_stages": 2},  # half the smem
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "HALVES": 1, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest instructions
+    {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "HALVES": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "HALVES": 1, "num_warps": 1, "UNROLL": 8, "num_stages": 3},  # bf16 D=128 rule
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 8, "HALVES": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},  # fp32 D=128 rule
+    {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "HALVES": 2, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # the same, few heads
     {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # few heads rule
     {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 8, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # 4 key blocks
     {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 16, "num_warps": 1, "num_stages": 3},
@@ -475,8 +520,8 @@ _NOMINAL_LIMITS = (132, 232448)
 def check_config(config):
     """A TypeError or ValueError naming the key and its limit for a config the kernels cannot run:
     WALK "tokens" or "blocks" (and then only that walk's keys), the block sizes (BLOCK_E, COLS,
-    UNROLL, BLOCK_D, BLOCK_T) powers of two, num_warps a power of two up to 32, num_stages at
-    least 1."""
+    UNROLL, BLOCK_D, BLOCK_T) powers of two, HALVES 1 or 2, num_warps a power of two up to 32,
+    num_stages at least 1."""
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
     unknown = set(config) - set(CONFIG_KEYS)
@@ -495,6 +540,8 @@ def check_config(config):
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value!r}")
+    if config.get("HALVES", 1) not in (1, 2):
+        raise ValueError(f"HALVES must be 1 or 2 (the state's key rows in one tile or two), got {config['HALVES']!r}")
     warps, stages = config.get("num_warps", 1), config.get("num_stages", 1)
     if not isinstance(warps, int) or isinstance(warps, bool) or not 1 <= warps <= 32 or warps & (warps - 1):
         raise ValueError(f"num_warps must be a power of two from 1 to 32, got {warps!r}")
@@ -546,15 +593,25 @@ def _device_limits(device):
     return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
-def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int | None) -> dict:
+def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int | None,
+                   plain: bool = True) -> dict:
     """The wrapper's rule: which walk, and its block sizes, num_warps and num_stages.
 
-    ``multiprocessors``: the GPU's count, or None under the interpreter.
+    ``multiprocessors``: the GPU's count, or None under the interpreter. ``plain``: False for the
+    walks of the normalised attention (NORMALIZE, NORMALIZER_GRADIENT), which keep one state tile.
 
     * Many (batch, head) pairs, or D > 64: the tokens walk (``_tokens_config``), one warp per
       program (the sum over D never crosses warps; many small programs hide each other's
       latency). GROUPS = the lanes the k tile leaves (``_groups``), BLOCK_E = 8 at least (one
       column per group), UNROLL = 8 and 3 stages, shrunk until the pipelined tiles fit the budget.
+      float32 with BLOCK_D = 128, plain walks: the state's key rows in two tiles (HALVES = 2).
+      One 128-row float32 k tile takes all 32 lanes (4 floats each), so GROUPS = 1 and every
+      column's sum over D costs 5 shuffle rounds; two 64-row tiles leave 2 lanes to the groups
+      and sum their products in-thread before one reduction over 16 lanes. BLOCK_E = 16 (COLS 8,
+      UNROLL 8, 2 stages) where those programs number at least 4 a multiprocessor, else
+      BLOCK_E = 8 (COLS 4, UNROLL 4, 3 stages): of the tiles timed at (8, 16, 4096, 128) and (2,
+      16, 16384, 128) on an H200, the fastest, and for few programs the fastest that does not
+      spill with Triton 3.9 (benchmarks/NOTES.md).
     * Fewer than 3 tokens-walk programs per multiprocessor and D <= 64: the blocks walk
       (``_blocks_config``). A warp alone on its scheduler is then bound by the latency of each
       token's chain of dependent instructions, which the blocks walk's independent steps avoid;
@@ -569,18 +626,24 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
     if multiprocessors is None:
         return {"WALK": "blocks", "BLOCK_D": block_d, "BLOCK_E": min(largest_e, max(1, 2048 // block_d)),
                 "BLOCK_T": 64, "num_warps": 1, "num_stages": 1}
-    tokens = _tokens_config(D, dtype)
+    tokens = _tokens_config(D, dtype, B * H * triton.cdiv(E, 16) >= 4 * multiprocessors if plain else None)
     if B * H * triton.cdiv(E, tokens["BLOCK_E"]) < 3 * multiprocessors and block_d <= 64:
         return _blocks_config(D)
     return tokens
 
 
-def _tokens_config(D: int, dtype: torch.dtype) -> dict:
-    """The tokens walk's rule (see ``default_config``)."""
+def _tokens_config(D: int, dtype: torch.dtype, many_programs: bool | None = False) -> dict:
+    """The tokens walk's rule (see ``default_config``). ``many_programs``: whether 16-column
+    programs would number at least 4 a multiprocessor; None for a walk of the normalised
+    attention (one state tile)."""
     block_d = _block_d(D)
+    if dtype == torch.float32 and block_d == 128 and many_programs is not None:
+        block_e = 16 if many_programs else 8
+        return {"WALK": "tokens", "BLOCK_E": block_e, "COLS": block_e // _groups(64, 4), "HALVES": 2,
+                "num_warps": 1, "UNROLL": 8 if many_programs else 4, "num_stages": 2 if many_programs else 3}
     groups = _groups(block_d, dtype.itemsize)
     block_e = max(8, groups)
-    cfg = {"WALK": "tokens", "BLOCK_E": block_e, "COLS": max(1, block_e // groups), "num_warps": 1,
+    cfg = {"WALK": "tokens", "BLOCK_E": block_e, "COLS": max(1, block_e // groups), "HALVES": 1, "num_warps": 1,
            "UNROLL": 8, "num_stages": 3}
     while _shared_memory_bytes(block_d, cfg, dtype.itemsize) > _SHARED_MEMORY_BUDGET and cfg["UNROLL"] > 1:
         if cfg["num_stages"] > 2:
@@ -595,9 +658,10 @@ def _tokens_config(D: int, dtype: torch.dtype) -> dict:
 _cached_default_config = functools.lru_cache(maxsize=256)(default_config)
 
 
-def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
+def _resolve_config(q, v, config, cu_seqlens=None, normalized=False, plain=True):
     """The rule for these inputs with the caller's (checked) keys applied (packed: B sequences).
-    ``normalized``: for the NORMALIZE forward, whose blocks walk holds every key row."""
+    ``normalized``: for the NORMALIZE forward, whose blocks walk holds every key row. ``plain``:
+    False for the normalised attention's walks, which hold the state in one tile (HALVES = 1)."""
     B, H, _, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
@@ -605,7 +669,7 @@ def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
     # The interpreter rule is for speed under TRITON_INTERPRET=1; ask Triton, not the device, so
     # that launches recorded with the interpreter switched off are the ones a GPU would make.
     multiprocessors = None if triton.knobs.runtime.interpret else _device_limits(q.device)[0]
-    chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors)
+    chosen = _cached_default_config(B, H, D, E, q.dtype, multiprocessors, plain)
     if normalized and chosen["WALK"] == "blocks" and multiprocessors is not None:
         chosen = _normalized_blocks_config(D, q.dtype)
     if config is None:
@@ -619,10 +683,14 @@ def _resolve_config(q, v, config, cu_seqlens=None, normalized=False):
                          f"{WALK_KEYS[walk]}")
     if walk != chosen["WALK"]:  # the other walk's rule as the base
         blocks_rule = _normalized_blocks_config(D, q.dtype) if normalized else _blocks_config(D)
-        chosen = blocks_rule if walk == "blocks" else _tokens_config(D, q.dtype)
+        chosen = blocks_rule if walk == "blocks" else _tokens_config(D, q.dtype, False if plain else None)
     chosen = {**chosen, **config}  # a copy: the cached rule's dict is shared
-    if walk == "tokens" and "BLOCK_E" in config and "COLS" not in config:  # the rule's groups, if they fit
-        groups = _groups(_block_d(D), q.dtype.itemsize, chosen["num_warps"])
+    if walk == "tokens" and not plain and chosen["HALVES"] != 1:
+        raise ValueError("HALVES must be 1 for the normalised attention: its walks hold the state, z or dz "
+                         f"in one tile; got {chosen['HALVES']}")
+    # The rule's groups, if they fit: the lanes one tile of BLOCK_D / HALVES key rows leaves.
+    if walk == "tokens" and ("BLOCK_E" in config or "HALVES" in config) and "COLS" not in config:
+        groups = _groups(_block_d(D) // chosen["HALVES"], q.dtype.itemsize, chosen["num_warps"])
         chosen["COLS"] = max(1, chosen["BLOCK_E"] // groups)
     if walk == "tokens" and chosen["COLS"] > chosen["BLOCK_E"]:
         raise ValueError(f"COLS ({chosen['COLS']}) must not exceed BLOCK_E ({chosen['BLOCK_E']})")
@@ -653,7 +721,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
     B, H, T, D = q.shape
     E = v.shape[-1]
     normalize = denominator is not None
-    cfg = _resolve_config(q, v, config, cu_seqlens, normalize)
+    cfg = _resolve_config(q, v, config, cu_seqlens, normalize, plain=not normalize and gradient_walk == 0)
     o = torch.empty_like(v, dtype=q.dtype)  # laid out as v, as in chunked
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
@@ -674,7 +742,7 @@ def _launch(q, k, v, initial_state, *, reverse, store_final_state, config, cu_se
         with _launch_guard():
             recurrent_tokens_kernel[grid](
                 q, k, v, o, *pointers, *arguments, *o.stride(), *s0_strides, *normalizer,
-                BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], UNROLL=cfg["UNROLL"],
+                BLOCK_D=_block_d(D), BLOCK_E=cfg["BLOCK_E"], COLS=cfg["COLS"], HALVES=cfg["HALVES"], UNROLL=cfg["UNROLL"],
                 NUM_STAGES=cfg["num_stages"], IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize,
                 NORMALIZER_GRADIENT=gradient_walk, INTERPRETED=triton.knobs.runtime.interpret,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
