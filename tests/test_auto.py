@@ -146,21 +146,33 @@ _HIGHEST_SWEEP = {
 
 
 #: The same defaults in one process on an H100 (132 multiprocessors, as the H200; torch 2.11,
-#: Triton 3.6, 2026-12-05): ``python -m ttx_tutorial.bench --shapes
-#: '8,16,4096,64;8,16,4096,128;1,8,65536,64;2,16,16384,128' --sweep '' --dtypes float32 --methods
-#: recurrent,chunked,scan --peers fast_transformers_cuda``.
+#: Triton 3.6, 2026-12-05), beside the peers: ``python -m ttx_tutorial.bench --shapes
+#: '8,16,4096,64;8,16,4096,128;1,8,65536,64;2,16,16384,128' --sweep '' --dtypes
+#: float32,bfloat16 --methods recurrent,chunked,scan --peers
+#: fast_transformers_cuda,fla_chunk,fla_fused_chunk --float32-settings high``
+#: (docs/perf/2026-12-05-h100/bench.json).
 _HIGHEST_H100_RUN = {
-    (8, 16, 4096, 64, 64): {"chunked": (0.297, 1.166), "scan": (0.534, 1.880), "recurrent": (0.997, 3.986)},
-    (8, 16, 4096, 128, 128): {"chunked": (1.426, 5.681), "scan": (6.501, 26.99), "recurrent": (3.434, 13.35)},
-    (1, 8, 65536, 64, 64): {"chunked": (4.501, 17.35), "scan": (0.553, 1.944), "recurrent": (2.264, 9.238)},
-    (2, 16, 16384, 128, 128): {"chunked": (3.009, 12.44), "scan": (6.437, 26.18), "recurrent": (4.970, 18.64)},
+    (8, 16, 4096, 64, 64): {"chunked": (0.295, 1.164), "scan": (0.534, 1.869), "recurrent": (0.990, 3.830)},
+    (8, 16, 4096, 128, 128): {"chunked": (1.426, 5.654), "scan": (6.484, 26.93), "recurrent": (2.004, 7.898)},
+    (1, 8, 65536, 64, 64): {"chunked": (4.455, 17.14), "scan": (0.546, 1.937), "recurrent": (2.277, 9.227)},
+    (2, 16, 16384, 128, 128): {"chunked": (3.026, 12.45), "scan": (6.425, 26.11), "recurrent": (3.352, 13.25)},
+}
+
+#: The same run's rows under "high" (``chunked@high`` and ``scan@high``: TF32 products);
+#: recurrent has no matrix products, so its rows are the ones above.
+_HIGH_H100_RUN = {
+    (8, 16, 4096, 64, 64): {"chunked": (0.285, 1.120), "scan": (0.371, 1.211), "recurrent": (0.990, 3.830)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.805, 3.196), "scan": (1.117, 3.715), "recurrent": (2.004, 7.898)},
+    (1, 8, 65536, 64, 64): {"chunked": (2.670, 10.62), "scan": (0.430, 1.339), "recurrent": (2.277, 9.227)},
+    (2, 16, 16384, 128, 128): {"chunked": (1.843, 7.462), "scan": (1.085, 3.599), "recurrent": (3.352, 13.25)},
 }
 
 
 #: The float32 sweeps: (chunked's products, scan's products, ms by shape and method).
 _SWEEPS = {"split": ("bf16x3_manual", "bf16x3_manual", _SPLIT_SWEEP), "tf32": ("tf32", "tf32", _TF32_SWEEP),
            "highest": ("bf16x3_manual", "tf32x3", _HIGHEST_SWEEP),
-           "highest-h100": ("bf16x3_manual", "tf32x3", _HIGHEST_H100_RUN)}
+           "highest-h100": ("bf16x3_manual", "tf32x3", _HIGHEST_H100_RUN),
+           "high-h100": ("tf32", "tf32", _HIGH_H100_RUN)}
 
 
 @pytest.mark.parametrize("sweep, shape", [(name, shape) for name, (_, _, times) in _SWEEPS.items()
