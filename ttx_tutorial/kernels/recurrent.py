@@ -606,8 +606,9 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
       column per group), UNROLL = 8 and 3 stages, shrunk until the pipelined tiles fit the budget.
       float32 with BLOCK_D = 128, plain walks: the state's key rows in two tiles (HALVES = 2).
       One 128-row float32 k tile takes all 32 lanes (4 floats each), so GROUPS = 1 and every
-      column's sum over D costs 5 shuffle rounds; two 64-row tiles leave 2 lanes to the groups
-      and sum their products in-thread before one reduction over 16 lanes. BLOCK_E = 16 (COLS 8,
+      column's sum over D costs 5 shuffle rounds; two 64-row tiles take 16 lanes each, so two
+      groups share the warp, and each thread adds its two tiles' products before one reduction
+      over 16 lanes (4 rounds). BLOCK_E = 16 (COLS 8,
       UNROLL 8, 2 stages) where those programs number at least 4 a multiprocessor, else
       BLOCK_E = 8 (COLS 4, UNROLL 4, 3 stages): of the tiles timed at (8, 16, 4096, 128) and (2,
       16, 16384, 128) on an H200, the fastest, and for few programs the fastest that does not
