@@ -18,6 +18,9 @@ never waits for the GPU (the best of five loops' means), peeling one layer at a 
                   pointer arguments (the launcher checks every pointer with the driver)
   torch add_      one PyTorch kernel launch (o.add_(1.0)) for comparison
   torch.empty     the output's allocation alone
+  pytorch step    the same normalised step as PyTorch operations (layer_check.py's)
+  fla step        fla's fused_recurrent_linear_attn on one token (T = 1), plain, its state
+                  passed in and the final state returned (skipped when fla is missing)
 
 The difference between rows says what a layer costs; "compiled" is the least a Triton launch
 costs on this host through Triton's own launcher. A host's speed drifts within a run, so "api"
@@ -27,7 +30,8 @@ in alternating loops (``--rounds``, 9 by default), whose median times and median
 
 Then the GPU's side ("replay_us"): the median of ``triton.testing.do_bench`` on a CUDA-graph
 replay (the L2 cache emptied before each, as layer_check.py times the step), for the empty
-kernel (the floor of such a measurement), the step with its default config, and the step with
+kernel (the floor of such a measurement), the step with its default config, the two peer steps
+above, and the step with
 each BLOCK_E in 16, 32, 64 and num_warps in 1, 2, 4, 8 (``--no-configs`` skips them); "x20"
 rows replay a graph of 20 steps in a row and give the time per step, the state then in L2 as in
 a generation loop.
@@ -52,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ttx_tutorial  # noqa: E402  (sets the device mode before any kernel is defined)
 from ttx_tutorial import bench  # noqa: E402
 from ttx_tutorial.kernels import step  # noqa: E402
+from layer_check import pytorch_step  # noqa: E402  (this folder is the script's: on sys.path)
 
 
 @triton.jit
@@ -113,8 +118,27 @@ def replay_us(fn, repeats=1):
     return 1e3 * bench.graph_ms(calls) / repeats
 
 
+def peer_steps(q, k, v, state):
+    """{name: one step} for the peers of the module docstring: PyTorch's operations on a state of
+    their own, and fla's recurrent kernel on one token where fla imports."""
+    pytorch_state = state.clone()
+    steps = {"pytorch step": lambda: pytorch_step(q, k, v, pytorch_state)}
+    try:
+        from fla.ops.linear_attn import fused_recurrent_linear_attn
+    except Exception as error:  # noqa: BLE001  fla is optional: say why it is missing
+        print(f"{'fla step':28s} skipped: {type(error).__name__}: {error}", flush=True)
+        return steps
+    # fla takes (B, T, H, D) and returns a new state; timed plain (normalize=False), its normaliser
+    # being a pass of its own.
+    fla_q, fla_k, fla_v = (x.unsqueeze(1) for x in (q, k, v))
+    fla_state = state[..., :-1].contiguous()
+    steps["fla step"] = lambda: fused_recurrent_linear_attn(fla_q, fla_k, fla_v, initial_state=fla_state,
+                                                            output_final_state=True)
+    return steps
+
+
 def replay_rows(q, k, v, state, *, configs):
-    """The GPU's time of one step, by config (see the module docstring)."""
+    """The GPU's time of one step, by config, and of the peers' steps (see the module docstring)."""
     B, H, D = q.shape
     E = v.shape[-1]
     x = torch.zeros(1, device=q.device)
@@ -122,7 +146,8 @@ def replay_rows(q, k, v, state, *, configs):
     arrivals = step._arrivals(state, B * H)
     arguments = [q, k, v, o, state, arrivals, H, D, E, *q.stride(), *k.stride(), *v.stride(), 1e-6]
     rows = {"empty kernel": lambda: empty_kernel[(1,)](x, None, None, None, None, None, 1, POINTERS=1),
-            "step, default config": lambda: ttx_tutorial.linear_attention_step(q, k, v, state)}
+            "step, default config": lambda: ttx_tutorial.linear_attention_step(q, k, v, state),
+            **peer_steps(q, k, v, state)}
     if configs:
         for block_e in (16, 32, 64):
             for num_warps in (1, 2, 4, 8):
@@ -197,6 +222,7 @@ def main(argv=None):
             lambda pa=pointer_arguments, p=pointers, launch=launch: launch(*pa, 1, p))
     rows["torch add_"] = lambda: o.add_(1.0)
     rows["torch.empty"] = lambda: torch.empty(B, H, E, device=device, dtype=torch.bfloat16)
+    rows.update(peer_steps(q, k, v, state))
 
     results = {}
     for name, fn in rows.items():
