@@ -31,10 +31,11 @@ in alternating loops (``--rounds``, 9 by default), whose median times and median
 Then the GPU's side ("replay_us"): the median of ``triton.testing.do_bench`` on a CUDA-graph
 replay (the L2 cache emptied before each, as layer_check.py times the step), for the empty
 kernel (the floor of such a measurement), the step with its default config, the two peer steps
-above, and the step with
-each BLOCK_E in 16, 32, 64 and num_warps in 1, 2, 4, 8 (``--no-configs`` skips them); "x20"
+above, and the step with each BLOCK_E in 16, 32, 64 and num_warps in 1, 2, 4, 8
+(``--no-configs`` skips them); "x20"
 rows replay a graph of 20 steps in a row and give the time per step, the state then in L2 as in
-a generation loop.
+a generation loop; "do_bench_cudagraph" rows are ``triton.testing.do_bench_cudagraph``'s median,
+the same with as many steps in the graph as fill 20 ms.
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ def peer_steps(q, k, v, state):
     return steps
 
 
+def cudagraph_us(fn):
+    """Microseconds per call of ``fn`` by ``triton.testing.do_bench_cudagraph``: as many calls as
+    fill 20 ms captured in one graph, the L2 cache left as the calls leave it."""
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
+
+
 def replay_rows(q, k, v, state, *, configs):
     """The GPU's time of one step, by config, and of the peers' steps (see the module docstring)."""
     B, H, D = q.shape
@@ -156,12 +163,14 @@ def replay_rows(q, k, v, state, *, configs):
                     lambda grid=grid, block_e=block_e, num_warps=num_warps: step.step_kernel[grid](
                         *arguments, FEATURE_MAP="elu", NORMALIZE=True, BLOCK_D=max(16, triton.next_power_of_2(D)),
                         BLOCK_E=block_e, D_BLOCKS=1, INTERPRETED=False, num_warps=num_warps))
+    measures = {"": lambda fn: replay_us(fn, 1), ", x20": lambda fn: replay_us(fn, 20),
+                ", do_bench_cudagraph": cudagraph_us}
     results = {}
     for name, fn in rows.items():
-        for repeats in (1, 20):
-            label = name if repeats == 1 else f"{name}, x20"
+        for suffix, measure in measures.items():
+            label = name + suffix
             try:
-                results[label] = replay_us(fn, repeats)
+                results[label] = measure(fn)
             except Exception as error:  # noqa: BLE001  a config this GPU refuses: say so, go on
                 results[label] = f"{type(error).__name__}: {error}"
                 print(f"{label:40s} {results[label]}", flush=True)
