@@ -67,6 +67,10 @@ EXERCISES = {
          "contiguous tensors pass but transposed ones do not"),
         ("row_mask_off_by_one", [("mask = (offs_t[:, None] < T)", "mask = (offs_t[:, None] <= T)")], "written `<=`"),
         ("exp_of_a_16_bit_block", [("    x = x.to(tl.float32)\n", "")], "convert the loaded block with `.to(tl.float32)`"),
+        ("program_offset_left_out", [("offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)", "offs_t = tl.arange(0, BLOCK_T)")],
+         "its own offset (its program id times 16)"),
+        ("column_mask_left_out", [("mask = (offs_t[:, None] < T) & (offs_d[None, :] < D)", "mask = offs_t[:, None] < T")],
+         "the store's other dimension overruns"),
     ]),
     "recurrent": ("ex2_recurrent_kernel", lambda ns: exercises.check_recurrent(ns["recurrent_kernel"]), [
         ("output_before_update", [("state += k[:, None] * v[None, :]\n        o = tl.sum(state * q[:, None], axis=0)",
@@ -78,6 +82,12 @@ EXERCISES = {
         ("value_tail_unmasked", [("mask=mask_e, other=0.0)", ")"), (", mask=mask_e)", ")")], "outside the output"),
         ("output_stored_with_the_values_strides", [("o_ptr + t * stride_ot + offs_e * stride_oe", "o_ptr + t * stride_vt + offs_e * stride_ve")],
          "contiguous tensors pass but transposed ones do not"),
+        ("state_replaced_not_accumulated", [("state += k[:, None] * v[None, :]", "state = k[:, None] * v[None, :]")],
+         "add to it (`state += ...`), never replace it"),
+        ("state_summed_over_the_value_axis", [("o = tl.sum(state * q[:, None], axis=0)", "o = tl.sum(state * q[:, None], axis=1)")],
+         "summed over the wrong axis"),
+        ("k_and_v_swapped", [("state += k[:, None] * v[None, :]", "state += v[:, None] * k[None, :]")],
+         "k and v are swapped"),
         ("store_masked_for_the_keys", [(", o.to(o_ptr.dtype.element_ty), mask=mask_e)", ", o.to(o_ptr.dtype.element_ty), mask=mask_d)")],
          "Two blocks of different shapes met"),
         ("state_started_in_float16", [("state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)",
@@ -96,6 +106,9 @@ EXERCISES = {
                                               ("                mask=mask_te, other=0.0)\n", "                mask=mask_te, other=0.0).to(tl.float32)\n"),
                                               ("max(16, triton.next_power_of_2(n))", "max(8, triton.next_power_of_2(n))")],
          ("no fp16 tensor-core instruction", "Pad such blocks to 16")),  # the interpreter; a GPU's compiler
+        ("one_product_in_float32", [("                mask=mask_td, other=0.0)\n    k", "                mask=mask_td, other=0.0).to(tl.float32)\n    k"),
+                                    ("                mask=mask_td, other=0.0)\n    v", "                mask=mask_td, other=0.0).to(tl.float32)\n    v")],
+         "1 of the kernel's 2 tl.dot products take float32 operands"),
         ("sequence_offset_left_out", [("q_ptr + seq * stride_qh + ", "q_ptr + "), ("k_ptr + seq * stride_kh + ", "k_ptr + "),
                                       ("v_ptr + seq * stride_vh + ", "v_ptr + ")], "the first sequence's result"),
     ]),
@@ -154,6 +167,8 @@ EXERCISES = {
          "contiguous tensors pass but transposed ones do not"),
         ("v_read_with_the_output_gradient_s_strides", [("v_ptr + t * stride_vt + offs_e * stride_ve", "v_ptr + t * stride_dot + offs_e * stride_doe")],
          "contiguous tensors pass but transposed ones do not"),
+        ("state_replaced_not_accumulated", [("state += v[:, None] * k[None, :]", "state = v[:, None] * k[None, :]")],
+         "add to it (`state += ...`), never replace it"),
         ("forward_roles_kept", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)", "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)"),
                                 ("state += v[:, None] * k[None, :]", "state += k[:, None] * v[None, :]")],
          "dO in q's place"),
@@ -355,7 +370,11 @@ def test_grade_reports_each_submission_and_touches_nothing(tmp_path):
     grader_file = tmp_path / "gradebook.csv"
     grader_file.write_text("the grader's own file\n")
     solution = (SOLUTIONS / "ex1_masked_kernel.ipynb").read_text(encoding="utf-8")
-    (submitted / "ana_solved.ipynb").write_text(solution, encoding="utf-8")
+    # Solved, with IPython's own lines as a student might leave them: a magic and display().
+    notebook = json.loads(solution)
+    notebook["cells"].insert(4, {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                                 "source": ["%time feature_map_reference(torch.randn(4, 4))\n", "display(1 + 1)\n"]})
+    (submitted / "ana_solved.ipynb").write_text(json.dumps(notebook), encoding="utf-8")
     (submitted / "ben_blank.ipynb").write_text((STUDENTS / "ex1_masked_kernel.ipynb").read_text(encoding="utf-8"),
                                                encoding="utf-8")
     wrong = "\n\n".join(c for c in code_cells(json.loads(solution)) if "result.passed" not in c)
@@ -395,6 +414,78 @@ def test_grade_refuses_what_it_cannot_grade(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="notes.txt"):
         grading.submissions([tmp_path / "notes.txt"])
+    with pytest.raises(ValueError, match="no .ipynb or .py files in .*sub-folders"):
+        grading.submissions([tmp_path])
+
+
+def test_submissions_in_student_folders_keep_their_folder_in_the_label(tmp_path):
+    """nbgrader's submitted/<student>/<assignment>/ layout and one copy of the exercises per
+    student both give every student the same file names: the label keeps the folders, and
+    Jupyter's hidden checkpoints are not graded."""
+    for folder in ("submitted/ana/week1", "submitted/ben/week1", "submitted/ben/.ipynb_checkpoints", "other/ana/week1"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "ex1_masked_kernel.ipynb").write_text("{}")
+    found = grading.submissions([tmp_path / "submitted"])
+    assert [label for _, label in found] == ["ana/week1/ex1_masked_kernel.ipynb", "ben/week1/ex1_masked_kernel.ipynb"]
+    # Two folders with the same students: each label keeps its folder's name too.
+    found = grading.submissions([tmp_path / "submitted", tmp_path / "other"])
+    assert [label for _, label in found] == ["submitted/ana/week1/ex1_masked_kernel.ipynb",
+                                             "submitted/ben/week1/ex1_masked_kernel.ipynb",
+                                             "other/ana/week1/ex1_masked_kernel.ipynb"]
+    named = tmp_path / "submitted" / "ana" / "week1" / "ex1_masked_kernel.ipynb"
+    assert grading.submissions([named]) == [(named, str(named))]
+
+
+def _report(*entries):
+    return [json.dumps(entry) for entry in entries]
+
+
+def test_the_check_cell_counts_and_scratch_checks_do_not():
+    """One row per exercise: the result of the notebook's read-only check cell (nbgrader's), else
+    the exercise's last check; a run that stops badly afterwards adds a row of its own."""
+    wrong = {"exercise": "feature map", "passed": False, "message": "✗ feature map: wrong"}
+    right = {"exercise": "feature map", "passed": True, "message": "✓ feature map: right"}
+    scratch_after = _report({"cell": 3, "graded": False}, wrong, {"cell": 4, "graded": True}, right,
+                            {"cell": 5, "graded": False}, wrong)
+    rows = grading.rows_from_report("ana.ipynb", scratch_after, None)
+    assert [(r.exercise, r.passed) for r in rows] == [("feature map", True)]
+    # A .py file has no check cell: the last call counts.
+    rows = grading.rows_from_report("ben.py", _report(right, wrong), None)
+    assert [(r.exercise, r.passed, r.diagnosis) for r in rows] == [("feature map", False, "✗ feature map: wrong")]
+    rows = grading.rows_from_report("cem.ipynb", _report({"cell": 4, "graded": True}, right),
+                                    "stopped with an error: code cell 9 raised ZeroDivisionError: division by zero")
+    assert [(r.exercise, r.passed) for r in rows] == [("feature map", True), ("(run)", False)]
+    assert rows[1].diagnosis.startswith("after its checks, stopped with an error: code cell 9")
+    # Stopped before any check: the exercises its check cells call fail, by name.
+    rows = grading.rows_from_report("dia.ipynb", _report({"cell": 2, "graded": False}), "stopped after 120 s",
+                                    ["check_recurrent", "check_dq"])
+    assert [(r.exercise, r.passed) for r in rows] == [("recurrent", False), ("backward dQ", False)]
+    assert [r.exercise for r in grading.rows_from_report("eli.py", [], "crashed", [])] == ["?"]
+
+
+def test_every_checker_has_its_exercise_name():
+    assert set(grading.EXERCISE_NAMES) == {name for name in exercises.__all__ if name.startswith("check_")}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the grader's limits are Linux resource limits")
+def test_grade_command_line_prints_csv_alone_with_dash(tmp_path, capsys):
+    from ttx_tutorial.exercises.__main__ import main
+
+    script = tmp_path / "no_check.py"
+    script.write_text("x = 1\n")
+    assert main(["grade", str(script), "--csv", "-", "--time-limit", "60"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == "student_file,exercise,passed,diagnosis"
+    assert "no checker was called" in captured.out and "student file" in captured.err
+
+
+def test_generate_outside_the_repository_root_says_what_to_do(tmp_path, monkeypatch, capsys):
+    from ttx_tutorial.exercises.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["generate"])
+    assert "run this from the repository's root" in capsys.readouterr().err
 
 
 def test_grade_command_line_refuses_bad_limits(capsys):

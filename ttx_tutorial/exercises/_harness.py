@@ -312,16 +312,25 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
         left = out.shape[row_dim] % block if tail else 0
-        hint = (f" The last block has {left} of its {block} {row_name} in the output: its store needs a "
-                f"mask on them, and on every other dimension its block can overrun (`offs < n`, combined with "
-                f"`&` for a 2-D block)." if tail else
-                " A store needs a mask on every dimension its block can overrun (`offs < n`, combined with `&` "
-                "for a 2-D block).")
+        row_width = out.numel() // max(1, out.shape[0] * out.shape[row_dim]) if row_dim > 0 else \
+            out.numel() // max(1, out.shape[row_dim])
+        if out.numel() and n_outside % max(1, row_width):
+            # Not a whole number of rows: a row written past its last column, not a row past the end.
+            hint = (f" That is not a whole number of {row_name}: the store's other dimension overruns (a block of "
+                    f"columns padded to a power of two): mask it too (`offs_d < D`, combined with the mask on "
+                    f"the {row_name} by `&`).")
+        elif tail:
+            hint = (f" The last block has {left} of its {block} {row_name} in the output: its store needs a "
+                    f"mask on them, and on every other dimension its block can overrun (`offs < n`, combined "
+                    f"with `&` for a 2-D block).")
+        else:
+            hint = (" A store needs a mask on every dimension its block can overrun (`offs < n`, combined with "
+                    "`&` for a 2-D block).")
         # One row past the end of every sequence (only the last sequence's spills outside when
         # sequences lie one after another) or of the whole output.
         one_row = (out.numel() // (out.shape[0] * out.shape[row_dim]), out.numel() // out.shape[row_dim])
         if out.numel() and n_outside in one_row:
-            hint += f" Exactly one row of {row_name} past the end: is a mask written `<=` where it needs `<`?"
+            hint += f" Exactly one {row_name.rstrip('s')} past the end: is a mask written `<=` where it needs `<`?"
         hint += " (Or the store uses another tensor's strides, or adds the program's offset twice.)"
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
@@ -352,7 +361,11 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         missing = rows.nonzero().flatten().tolist()
         shown = ", ".join(map(str, missing[:6])) + (", ..." if len(missing) > 6 else "")
         hint = ""
-        if block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
+        if block is not None and missing == list(range(block, out.shape[row_dim])) and block < out.shape[row_dim]:
+            hint = (f" Only the first block of {block} {row_name} was written, as if every program wrote the "
+                    f"same block: does each program add its own offset (its program id times {block}) to its "
+                    f"{row_name}?")
+        elif block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
         if not hint and case.dtype == torch.bfloat16 and _device.INTERPRETED:
@@ -385,10 +398,11 @@ def precision_failure(case: Case, error: float, passed_cases) -> str | None:
     if case.dtype == torch.float32 or not any(c.dtype == torch.float32 for c in passed_cases):
         return None
     if case.dtype == torch.bfloat16 and _device.INTERPRETED:
-        return (f"float32 inputs pass, bfloat16 give relative error {error:.1e} ({case.describe()}). On the CPU, "
-                f"Triton's interpreter computes bfloat16 arithmetic wrongly (it works on the raw bits), so "
-                f"convert bfloat16 loads with `.to(tl.float32)` before any arithmetic; on a GPU, keeping sums "
-                f"in bfloat16 would lose precision anyway.")
+        return (f"float32 inputs pass, bfloat16 give relative error {error:.1e} ({case.describe()}). Some "
+                f"arithmetic runs on bfloat16 values: a load not converted with `.to(tl.float32)`, or a value "
+                f"(the state, a sum) cast back to 16 bits before it is used again. Keep every value in float32 "
+                f"until the final store: on a GPU, sums kept in bfloat16 lose precision as they grow, and on "
+                f"the CPU Triton's interpreter computes bfloat16 arithmetic wrongly (it works on the raw bits).")
     return (f"float32 inputs pass, {str(case.dtype).replace('torch.', '')} give relative error {error:.1e} "
             f"({case.describe()}): the sums are kept in 16 bits and lose precision as they grow. Keep every "
             f"sum, and the state, in float32 (`tl.zeros(..., dtype=tl.float32)`, `.to(tl.float32)` before "

@@ -45,6 +45,41 @@ def _write_guard(folder: str, allowed_programs: tuple):
     return hook
 
 
+def _ipython(namespace: dict):
+    """IPython's cell transformer, with a shell whose namespace is ``namespace`` (so that ``%time``,
+    ``display()`` and the other IPython-only lines of a notebook run as Jupyter runs them), or
+    None where IPython is not installed: the cells then run as plain Python."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+        from IPython.core.interactiveshell import InteractiveShell
+        from IPython.display import display
+        from traitlets.config import Config
+    except ImportError:
+        return None
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # nothing written for a run that is thrown away
+    InteractiveShell.instance(config=config, user_ns=namespace)
+    namespace.setdefault("display", display)
+    return TransformerManager().transform_cell
+
+
+def _cells(path: Path) -> list[tuple[str, bool]]:
+    """(source, graded) of each code cell: graded for a notebook's read-only check cell (nbgrader's
+    metadata: locked, neither a solution nor a grade cell), whose checker call the grader counts."""
+    from ttx_tutorial.exercises.sources import code_cells
+
+    if path.suffix != ".ipynb":
+        return [(path.read_text(encoding="utf-8"), False)]
+    cells = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell.get("cell_type") != "code":
+            continue
+        marks = cell.get("metadata", {}).get("nbgrader", {})
+        graded = bool(marks.get("locked")) and not marks.get("solution") and not marks.get("grade")
+        cells.append((code_cells({"cells": [cell]})[0], graded))
+    return cells
+
+
 def main(argv):
     (name,) = argv
     folder = os.path.realpath(os.getcwd())
@@ -53,22 +88,23 @@ def main(argv):
     tools = os.path.join(os.path.dirname(os.path.realpath(triton.__file__)), "backends")
     sys.addaudithook(_write_guard(folder, (tools,)))
 
-    from ttx_tutorial.exercises.sources import code_cells, run_cells
+    from ttx_tutorial.exercises.sources import run_cells
 
-    path = Path(folder) / name
-    if path.suffix == ".ipynb":
-        sources = code_cells(json.loads(path.read_text(encoding="utf-8")))
-    else:
-        sources = [path.read_text(encoding="utf-8")]
+    cells = _cells(Path(folder) / name)
     sys.argv = [name]
     namespace = {"__name__": "__main__"}
-    for index, source in enumerate(sources):
+    transform = _ipython(namespace) if name.endswith(".ipynb") else None
+    report = os.environ.get("TTX_EXERCISES_REPORT")
+    for number, (source, graded) in enumerate(cells, start=1):
+        if report:  # which cell the next results come from (grading.rows_from_report)
+            with open(report, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"cell": number, "graded": graded}) + "\n")
         try:
-            run_cells([source], namespace, name=name, first_index=index)
+            run_cells([transform(source) if transform else source], namespace, name=name, first_index=number)
         except BaseException as error:  # the grader's table shows this last line
             traceback.print_exc()
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
-            print(f"code cell {index} raised {type(error).__name__}: {first_line}", flush=True)
+            print(f"code cell {number} raised {type(error).__name__}: {first_line}", flush=True)
             sys.exit(1)
 
 

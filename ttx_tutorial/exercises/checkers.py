@@ -17,6 +17,7 @@ from triton.compiler.errors import CompilationError
 from .. import _device
 from ..course.compiler import compile_for_target
 from ..testing import TOLERANCES, random_inputs, relative_error
+from .grading import EXERCISE_NAMES
 from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
                        dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,
                        next_power_of_2, precision_failure, report, require_arguments,
@@ -29,12 +30,25 @@ COMPILE_TARGETS = ("sm_80", "sm_90")
 
 def causal_product64(q, k, v, *, mask="causal"):
     """o_t = sum over s of (q_t . k_s) v_s, for s <= t ("causal"), s < t ("strict"), s <= t + 1
-    ("one_ahead") or every s ("none"); inputs (BH, T, D), (BH, T, D), (BH, T, E) in float64."""
+    ("one_ahead"), every s ("none") or s = t alone ("own"); inputs (BH, T, D), (BH, T, D),
+    (BH, T, E) in float64."""
     scores = q @ k.transpose(-1, -2)
     T = q.shape[-2]
+    if mask == "own":
+        return (scores * torch.eye(T, dtype=scores.dtype, device=q.device)) @ v
     offset = {"causal": 0, "strict": -1, "one_ahead": 1, "none": T}[mask]
     keep = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(offset)
     return (scores * keep) @ v
+
+
+def state_rows_summed64(q, k, v):
+    """What a recurrent kernel computes that sums its state S_t (D x E) over the value axis
+    instead of the key axis: o_t[d] = q_t[d] sum_e S_t[d, e], a (BH, T, D) result, comparable with
+    the right one where D = E (None otherwise); float64."""
+    if q.shape[-1] != v.shape[-1]:
+        return None
+    states = torch.cumsum(k[..., :, None] * v[..., None, :], dim=-3)
+    return q * states.sum(-1)
 
 
 def chunk_mistake64(q, k, v, *, chunk, intra_mask=True, state_first=False):
@@ -292,6 +306,12 @@ def _one_tf32_product(ttir: str) -> bool:
                for line in ttir.splitlines())
 
 
+def _float32_products(ttir: str) -> tuple[int, int]:
+    """(products on float32 operands, all products): the ``tt.dot`` lines of the kernel's Triton IR."""
+    dots = [line for line in ttir.splitlines() if "tt.dot" in line and " * " in line]
+    return sum("xf32> *" in line for line in dots), len(dots)
+
+
 def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None, *,
                      tensor_cores=False):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
@@ -326,6 +346,13 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                                   f"{dtype_name(dtype)} tensor-core instruction: tl.dot must take the 16-bit "
                                   f"blocks as they are loaded (no `.to(tl.float32)` before it), padded to at "
                                   f"least 16, which is what tensor cores take.")
+                wide, total = _float32_products(result.asm.get("ttir", ""))
+                if tensor_cores and ptx_type and wide:
+                    raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {wide} of the kernel's "
+                                  f"{total} tl.dot products take float32 operands, so they do not run as "
+                                  f"{dtype_name(dtype)} tensor-core products: give every tl.dot its 16-bit blocks "
+                                  f"as they are loaded (no `.to(tl.float32)` before it; cast a float32 block such "
+                                  f"as the scores to the input dtype first).")
 
 
 # --------------------------------------------------------------------------- 1. feature map
@@ -337,7 +364,7 @@ FEATURE_MAP_BLOCK_T = 16
 
 def check_feature_map(kernel) -> CheckResult:
     """Exercise 1: ``out = elu(x) + 1`` for x (T, D), one program per block of BLOCK_T rows."""
-    exercise = "feature map"
+    exercise = EXERCISE_NAMES["check_feature_map"]
     early = _precheck(exercise, kernel, FEATURE_MAP_ARGS)
     if early is not None:
         return early
@@ -392,11 +419,22 @@ def _launch_per_sequence(kernel, extra_constexprs=None):
 
 def check_recurrent(kernel) -> CheckResult:
     """Exercise 2: the per-token recurrent kernel, one program per sequence of (BH, T, D) inputs."""
-    exercise = "recurrent"
+    exercise = EXERCISE_NAMES["check_recurrent"]
     early = _precheck(exercise, kernel, RECURRENT_ARGS)
     if early is not None:
         return early
-    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
+    variants = _causal_variants() + [
+        (lambda q, k, v: causal_product64(q, k, v, mask="own"),
+         "each output holds only its own token's (q_t . k_t) v_t: the state must keep the sum of every token so "
+         "far, so start it once, before the loop over tokens, and add to it (`state += ...`), never replace it"),
+        (state_rows_summed64,
+         "the state is summed over the wrong axis: S is D x E (a row per key dimension), and o_t = sum over d of "
+         "q_t[d] S[d, :], a sum down the rows (`axis=0` of `state * q[:, None]`)"),
+        (lambda q, k, v: causal_product64(q, v, k) if q.shape[-1] == v.shape[-1] else None,
+         "k and v are swapped in the outer product: the state adds k_t v_tᵀ, k down the rows and v along the "
+         "columns (`k[:, None] * v[None, :]`)"),
+    ]
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
                    launch=_launch_per_sequence(kernel), uses_dot=False)
     cases = _sequence_cases(short_T=16, tail_T=13)
@@ -420,7 +458,7 @@ def check_small_dot(kernel, block_sizes) -> CheckResult:
     """Exercise 3: one chunk of at most 16 tokens as ((Q Kᵀ) ⊙ M) V with tl.dot, on blocks chosen by
     ``block_sizes(T, D, E) -> (BLOCK_T, BLOCK_D, BLOCK_E)``; right values in the interpreter and a
     kernel the GPU compiler accepts for sm_80 and sm_90."""
-    exercise = "small tl.dot blocks"
+    exercise = EXERCISE_NAMES["check_small_dot"]
     early = _precheck(exercise, kernel, ONE_CHUNK_ARGS, block_sizes=block_sizes)
     if early is not None:
         return early
@@ -473,7 +511,7 @@ def _chunk_blocks(case):
 def check_chunked(kernel) -> CheckResult:
     """Exercise 4: chunks of 16 tokens, intra-chunk scores with the causal mask and the state
     carried across chunks; one program per sequence."""
-    exercise = "chunked"
+    exercise = EXERCISE_NAMES["check_chunked"]
     early = _precheck(exercise, kernel, CHUNKED_ARGS)
     if early is not None:
         return early
@@ -516,7 +554,7 @@ SCAN_ARGS = ["states_ptr", "out_ptr", "S", "E", *_strides_names("s", "o", dims=[
 def check_scan(kernel) -> CheckResult:
     """Exercise 5: the state entering each segment, an exclusive prefix sum over segments of
     states (BH, S, D, E) float32; one program per (sequence, row d of the state)."""
-    exercise = "scan step"
+    exercise = EXERCISE_NAMES["check_scan"]
     early = _precheck(exercise, kernel, SCAN_ARGS)
     if early is not None:
         return early
@@ -560,7 +598,7 @@ DQ_ARGS = ["do_ptr", "k_ptr", "v_ptr", "dq_ptr", "T", "D", "E",
 
 def check_dq(kernel) -> CheckResult:
     """Exercise 6: dQ of the causal product for an upstream gradient dO, one program per sequence."""
-    exercise = "backward dQ"
+    exercise = EXERCISE_NAMES["check_dq"]
     early = _precheck(exercise, kernel, DQ_ARGS)
     if early is not None:
         return early
@@ -586,6 +624,10 @@ def check_dq(kernel) -> CheckResult:
                  "s <= t, walking forwards like the forward pass"),
                 (lambda do, k, v: dq64(do, k, v, mask="none"),
                  "every token sees the whole sequence: the causal mask is missing"),
+                (lambda do, k, v: dq64(do, k, v, mask="own"),
+                 "each dq_t holds only its own token's (do_t . v_t) k_t: the state must keep the sum of every "
+                 "token so far, so start it once, before the loop over tokens, and add to it (`state += ...`), "
+                 "never replace it"),
                 # the forward's roles kept, dO in q's place: a (T, E) result, comparable where D = E
                 (lambda do, k, v: causal_product64(do, k, v) if k.shape[-1] == v.shape[-1] else None,
                  "this is the forward's product with dO in q's place, sum of (do_t . k_s) v_s: dq_t sums "

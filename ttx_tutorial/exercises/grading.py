@@ -24,6 +24,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,10 @@ MEMORY_LIMIT_MB = 6144
 OUTPUT_LIMIT_BYTES = 1 << 20
 REPORT_NAME = ".ttx_exercises_report.jsonl"
 OUTPUT_NAME = ".ttx_exercises_output.txt"
+#: Each checker's exercise, as its result line and the grade table name it.
+EXERCISE_NAMES = {"check_feature_map": "feature map", "check_recurrent": "recurrent",
+                  "check_small_dot": "small tl.dot blocks", "check_chunked": "chunked",
+                  "check_scan": "scan step", "check_dq": "backward dQ"}
 
 
 @dataclass
@@ -83,11 +88,14 @@ def _tail(path: Path, limit=300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
-def grade_one(path: Path, *, time_limit_s=TIME_LIMIT_S, memory_mb=MEMORY_LIMIT_MB,
+def grade_one(path: Path, *, label: str | None = None, time_limit_s=TIME_LIMIT_S, memory_mb=MEMORY_LIMIT_MB,
               output_bytes=OUTPUT_LIMIT_BYTES) -> list[Row]:
-    """Run one submission in a temporary copy and return its rows of the table."""
+    """Run one submission in a temporary copy and return its rows of the table, named ``label``
+    (by default the file's name): one row per exercise it checked, then one for a run that
+    stopped badly (see ``rows_from_report``)."""
     path = Path(path)
     name = path.name
+    label = name if label is None else label
     with tempfile.TemporaryDirectory(prefix="ttx-grade-") as temporary:
         folder = Path(temporary)
         copy = folder / name
@@ -107,21 +115,60 @@ def grade_one(path: Path, *, time_limit_s=TIME_LIMIT_S, memory_mb=MEMORY_LIMIT_M
                 process.wait()
                 returncode, timed_out = process.returncode, True
         elapsed = time.monotonic() - start
-        results = []
         report = folder / REPORT_NAME
-        if report.exists():
-            for line in report.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    entry = json.loads(line)
-                    results.append(Row(name, str(entry["exercise"]), bool(entry["passed"]), str(entry["message"])))
-                except (ValueError, KeyError, TypeError):
-                    continue
+        lines = report.read_text(encoding="utf-8", errors="replace").splitlines() if report.exists() else []
         problem = _problem(returncode, timed_out, elapsed, time_limit_s, output, output_bytes)
-    if problem:
-        results.append(Row(name, results[-1].exercise if results else "?", False, problem))
+    return rows_from_report(label, lines, problem, _checkers_called(path))
+
+
+def rows_from_report(label: str, lines, problem: str | None, checkers=()) -> list[Row]:
+    """The rows of one submission from its report's lines (JSON: a code cell starting, with
+    ``graded`` true for a notebook's read-only check cell, or a checker's result) and the way its
+    run ended (``problem``: None, or why it stopped badly).
+
+    One row per exercise, in the order first checked. Its result is the checker call made in the
+    notebook's read-only check cell, the cell nbgrader grades; where there is none (a .py file,
+    or that cell never ran), the exercise's last checker call. Scratch checks elsewhere therefore
+    do not count twice. A run that then stopped badly (an error, a crash, the time limit, an
+    output flood) adds a failing row of its own, exercise "(run)", and leaves the exercises'
+    rows as they were, as nbgrader's autograde scores each grade cell by itself. A run that
+    stopped before any checker reported fails the exercises its check cells name (``checkers``,
+    the checker functions the submission calls), or "?" where it names none."""
+    graded_cell, latest, from_graded = False, {}, {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            if "cell" in entry:
+                graded_cell = bool(entry.get("graded"))
+                continue
+            row = Row(label, str(entry["exercise"]), bool(entry["passed"]), str(entry["message"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        latest[row.exercise] = row
+        if graded_cell:
+            from_graded[row.exercise] = row
+    results = [from_graded.get(exercise, row) for exercise, row in latest.items()]
+    if problem and results:
+        results.append(Row(label, "(run)", False, f"after its checks, {problem}"))
+    elif problem:
+        exercises = [EXERCISE_NAMES[name] for name in checkers if name in EXERCISE_NAMES] or ["?"]
+        results += [Row(label, exercise, False, problem) for exercise in exercises]
     if not results:
-        results.append(Row(name, "?", False, "no checker was called: is the check cell still there?"))
+        results.append(Row(label, "?", False, "no checker was called: is the check cell still there?"))
     return results
+
+
+def _checkers_called(path: Path) -> list[str]:
+    """The checker functions a submission's code calls, in order, each once."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    found = []
+    for name in re.findall(r"\b(check_\w+)\s*\(", text):
+        if name in EXERCISE_NAMES and name not in found:
+            found.append(name)
+    return found
 
 
 def _problem(returncode, timed_out, elapsed, time_limit_s, output, output_bytes) -> str | None:
@@ -136,14 +183,30 @@ def _problem(returncode, timed_out, elapsed, time_limit_s, output, output_bytes)
     return f"stopped with an error: {_tail(output)}"
 
 
-def submissions(paths) -> list[Path]:
-    """The .ipynb and .py files named, or found (not recursively) in the folders named."""
+def _hidden(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies in a hidden folder below ``root`` (``.ipynb_checkpoints``, ``.git``)."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts[:-1])
+
+
+def submissions(paths) -> list[tuple[Path, str]]:
+    """(file, label) for the .ipynb and .py files named, or found in the folders named and their
+    sub-folders (hidden ones skipped), sorted. A file named directly is labelled as it was
+    written; a file found in a folder by its path below that folder (``ana/ex1.ipynb``, as in
+    nbgrader's ``submitted/<student>/<assignment>/``), or, where several folders are named, below
+    their parents (``submitted/ana/ex1.ipynb``), so that no two labels are alike."""
+    paths = list(map(Path, paths))
+    several_folders = sum(path.is_dir() for path in paths) > 1
     found = []
-    for path in map(Path, paths):
+    for path in paths:
         if path.is_dir():
-            found += sorted(p for p in path.iterdir() if p.suffix in (".ipynb", ".py") and p.is_file())
+            files = sorted(p for p in path.rglob("*") if p.suffix in (".ipynb", ".py") and p.is_file()
+                           and not _hidden(p, path))
+            if not files:
+                raise ValueError(f"no .ipynb or .py files in {path} or its sub-folders")
+            base = path.parent if several_folders else path
+            found += [(p, p.relative_to(base).as_posix()) for p in files]
         elif path.is_file() and path.suffix in (".ipynb", ".py"):
-            found.append(path)
+            found.append((path, str(path)))
         else:
             raise ValueError(f"not a notebook, a .py file or a folder: {path}")
     return found
@@ -151,8 +214,8 @@ def submissions(paths) -> list[Path]:
 
 def grade(paths, **limits) -> list[Row]:
     rows = []
-    for path in submissions(paths):
-        rows += grade_one(path, **limits)
+    for path, label in submissions(paths):
+        rows += grade_one(path, label=label, **limits)
     return rows
 
 
