@@ -6,6 +6,7 @@ or a state no program writes fails. The lengths put boundaries inside chunks and
 include empty and one-token sequences and sequences longer than one scan segment.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -329,13 +330,15 @@ def test_scan_segment_table_matches_a_torch_construction():
 
 
 def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):
-    """A model's layers share one batch's offsets: the API reads them back once, and again only
-    after they change in place (or for another tensor, or another total_T)."""
+    """A model's layers share one batch's offsets: on a GPU, where a read back stalls the host, the
+    API reads them back once, and again only after they change in place (or for another tensor,
+    or another total_T). Here the CPU's offsets are taken for a GPU's."""
     from ttx_tutorial import _validation
 
     reads = []
     check = _validation.check_offsets
     monkeypatch.setattr(_validation, "check_offsets", lambda *args: reads.append(args) or check(*args))
+    monkeypatch.setattr(_validation, "_read_back_stalls", lambda cu_seqlens: True)
     q, k, v, _, cu_seqlens = _inputs_for_errors()
     for _ in range(3):
         ttx_tutorial.causal_product(q.detach(), k.detach(), v.detach(), "chunked", cu_seqlens=cu_seqlens)
@@ -344,6 +347,23 @@ def test_offsets_are_read_back_once_per_tensor_and_version(monkeypatch):
     with pytest.raises(ValueError, match="must be non-decreasing"):
         ttx_tutorial.causal_product(q.detach(), k.detach(), v.detach(), "chunked", cu_seqlens=cu_seqlens)
     assert len(reads) == 2
+
+
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_offsets_on_the_cpu_are_checked_at_every_call(method):
+    """A write that PyTorch's version counter does not record (through a NumPy view of the same
+    memory, as a data loader reusing one buffer makes) is still refused at the next call, where
+    the offsets live on the CPU: the kernels never walk past total_T."""
+    if ttx_tutorial.DEVICE.type != "cpu":
+        pytest.skip("offsets on the CPU go with inputs on the CPU")
+    q, k, v, _, _ = _inputs_for_errors()
+    buffer = np.array([0, 3, 7], dtype=np.int64)
+    cu_seqlens = torch.from_numpy(buffer)
+    with torch.no_grad():
+        ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=cu_seqlens)
+        buffer[2] = 100_000  # unseen by cu_seqlens._version
+        with pytest.raises(ValueError, match="must end at total_T"):
+            ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=cu_seqlens)
 
 
 @pytest.mark.parametrize("method", TRITON_METHODS)

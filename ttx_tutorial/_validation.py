@@ -51,12 +51,22 @@ def check_cu_seqlens(q, cu_seqlens):
 _CHECKED_OFFSETS = {}
 
 
+def _read_back_stalls(cu_seqlens) -> bool:
+    """Whether reading the offsets' values waits for a device (any but the CPU)."""
+    return cu_seqlens.device.type != "cpu"
+
+
 def _check_offsets_once(cu_seqlens, total_T):
-    """``check_offsets``, skipped for the very tensor checked before, unmodified since (its
-    version counter unchanged) and against the same total_T. A model's layers share one packed
-    batch's offsets: one read back for all of them, where a read back at every call would stall
-    the host until the GPU has caught up. Inference tensors have no version counter: always
-    checked."""
+    """``check_offsets``, skipped on a GPU for the very tensor checked before, unmodified since
+    (its version counter unchanged) and against the same total_T. A model's layers share one
+    packed batch's offsets: one read back for all of them, where a read back at every call would
+    stall the host until the GPU has caught up. The version counter misses writes that PyTorch
+    does not record (through ``.data``, or a NumPy or DLPack view of the same memory): offsets on
+    the CPU, whose read stalls nothing, are therefore checked at every call. Inference tensors
+    have no version counter: always checked."""
+    if not _read_back_stalls(cu_seqlens):
+        check_offsets(cu_seqlens, total_T)
+        return
     try:
         stamp = (cu_seqlens._version, total_T)
     except RuntimeError:  # an inference-mode tensor

@@ -188,8 +188,10 @@ def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: st
         cu_seqlens: optional (N + 1,) int32/int64 offsets of N sequences packed along T, as fla and
             flash-attention take them: q, k are then (1, H, total_T, D), sequence n is tokens
             cu_seqlens[n] to cu_seqlens[n + 1] - 1, no state crosses a boundary, and the states
-            are (N, H, D, E), one per sequence. Checked with one read back to the host per
-            offsets tensor (and again after an in-place change to it).
+            are (N, H, D, E), one per sequence. Checked on a GPU with one read back to the host per
+            offsets tensor (and again after an in-place change PyTorch records: new offsets written
+            through ``.data`` or a DLPack view are not seen, so give them a new tensor); on the
+            CPU at every call.
         initial_state: optional (B, H, D, E) tensor S_0 (zeros when None), (N, H, D, E) with
             cu_seqlens; used in float32.
         return_state: also return S_T, the state after the last token, as (B, H, D, E) float32
