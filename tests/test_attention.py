@@ -508,8 +508,11 @@ def test_kernel_normaliser_errors_are_named():
         chunked.chunked_normalized_attention(q, k, v, eps=-1.0)
     with pytest.raises(TypeError, match="eps must be a Python float"):
         chunked.chunked_normalized_attention(q, k, v, eps=None)
-    with pytest.raises(ValueError, match=r"feature_map must keep the shape and dtype of q \(torch.float32"):
-        ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", feature_map=lambda x: x.double().exp())
+    for method in ("chunked", "loop"):  # the references check the map as the kernels do
+        with pytest.raises(ValueError, match=r"feature_map must keep the shape and dtype of q \(torch.float32"):
+            ttx_tutorial.causal_linear_attention(q, k, v, method=method, feature_map=lambda x: x.double().exp())
+    with pytest.raises(ValueError, match=r"feature_map must keep the shape and dtype of q .*got ndarray"):
+        ttx_tutorial.causal_linear_attention(q, k, v, method="loop", feature_map=lambda x: x.cpu().numpy())
 
 
 # The layer ---------------------------------------------------------------------------------
@@ -598,6 +601,9 @@ def test_layer_errors():
         layer.step(torch.randn(2, 1, 32), layer.initial_state(2))
     with pytest.raises(ValueError, match=r"state must be float32 of shape \(2, 2, 16, 17\)"):
         layer.step(torch.randn(2, 32), torch.zeros(2, 2, 16, 16))
+    for batch, error in ((2.0, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="batch must be"):
+            layer.initial_state(batch)
 
 
 # Under torch.compile -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import math
 import re
 import shutil
 import sys
+import warnings
 import threading
 from pathlib import Path
 
@@ -468,6 +469,23 @@ def test_threads_on_separate_streams_compute_what_one_thread_does(method):
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), f"gradients of problem {index}"
 
 
+@pytest.mark.parametrize("method", ["recurrent", "chunked", "scan"])
+def test_interpreted_kernels_raise_no_numpy_warnings(method):
+    """Under the interpreter NumPy computes the kernels and warns of inf and NaN arithmetic that a
+    GPU does silently: a caller whose warnings are errors (pytest's filterwarnings = error) must
+    still get the results, here of float16 features that overflow and of a NaN in v."""
+    q = torch.randn(1, 1, 16, 8, dtype=torch.float16, device=ttx_tutorial.DEVICE)
+    q[:, :, 0] = -1  # a query whose relu features are all zero
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    v[0, 0, 9, 3] = float("nan")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ttx_tutorial.causal_linear_attention(*leaves, feature_map="relu", method=method).float().sum().backward()
+        out = ttx_tutorial.causal_product(q, k, v, method=method)
+    assert out[..., :9, :].isfinite().all()
+
+
 # --------------------------------------------------------------------------- kernel files alone
 
 @pytest.mark.parametrize("path", sorted(Path(chunked.__file__).parent.glob("[!_]*.py")), ids=lambda p: p.stem)
@@ -547,6 +565,9 @@ def test_a_stand_in_for_the_kernel_passes_the_mode_check_on_a_gpu(name):
         """
     child = run_python(script, timeout=300)  # TTX_TUTORIAL_DEVICE=cuda: GPU mode, on any machine
     assert "switched" not in child.stdout and "the GPU" in child.stdout, child.stdout + child.stderr
+    # On a machine without a GPU, moving the tensors to one is no advice: the interpreter is.
+    advice = "Move them with .to('cuda')" if torch.cuda.is_available() else "TRITON_INTERPRET=1 before importing"
+    assert advice in child.stdout, child.stdout + child.stderr
 
 
 @pytest.mark.parametrize("name", KERNEL_FILE_CALLS)

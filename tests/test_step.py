@@ -184,8 +184,6 @@ BAD = [
     ({"state": torch.zeros(2, 3, 8, 4)}, ValueError, r"state must have shape \(B, H, D, E \+ 1\)"),
     ({"state": torch.zeros(2, 3, 8, 5, dtype=torch.float64)}, TypeError, "state must be float32"),
     ({"state": torch.zeros(2, 3, 5, 8).mT}, ValueError, "state must be contiguous"),
-    ({"q": torch.zeros(2, 3, 300), "k": torch.zeros(2, 3, 300), "state": torch.zeros(2, 3, 300, 5)},
-     ValueError, "D and E up to 256"),
     ({"feature_map": "tanh"}, ValueError, "feature_map must be one of"),
     ({"feature_map": 3}, ValueError, "feature_map must be one of"),
     ({"normalize": 1}, TypeError, "normalize must be a bool"),
@@ -203,6 +201,19 @@ def test_bad_inputs_are_named(change, error, words):
     if "feature_map" not in change:  # the kernel file's own entry says the same
         with torch.no_grad(), pytest.raises(error, match=words):
             step.step_update(**arguments)
+
+
+def test_heads_wider_than_the_kernel_take_the_pytorch_path():
+    """D = 300: the kernel file refuses it by name; ``linear_attention_step`` (and so the layer's
+    step, whatever its parallel method) computes it with PyTorch, against float64."""
+    q, k, v, state = token_inputs(2, 3, 300, 4, torch.float32, True)
+    with torch.no_grad(), pytest.raises(ValueError, match="D and E up to 256"):
+        step.step_update(q, k, v, state.clone())
+    expected_out, expected_state = step64(q, k, v, state, FEATURES["elu"], True, 1e-6)
+    with torch.no_grad():
+        out = ttx_tutorial.linear_attention_step(q, k, v, state)
+    assert_close(out, expected_out, torch.float32)
+    assert_close(state, expected_state, torch.float32, "state")
 
 
 def test_a_device_the_interpreter_does_not_run_on_is_named():

@@ -143,7 +143,7 @@ def test_unknown_method_lists_every_method(unknown):
 @pytest.mark.parametrize("not_a_name", [None, 0, ("loop",)], ids=["None", "int", "tuple"])
 def test_method_must_be_a_string(not_a_name):
     q, k, v, _ = make_inputs()
-    with raises(TypeError, "method must be a string", type(not_a_name).__name__, *METHODS):
+    with raises(TypeError, "method must be a string", type(not_a_name).__name__, *METHODS, "'auto'"):
         causal_product(q, k, v, not_a_name)
 
 

@@ -217,7 +217,7 @@ def _checked_product(q, k, v, method, cu_seqlens, initial_state, *, normalized):
     keep float32's products at 3xTF32, forward and backward (the kernel files'
     ``float32_precision``)."""
     if not isinstance(method, str):
-        raise TypeError(f"method must be a string, one of {METHODS}; got {type(method).__name__}")
+        raise TypeError(f"method must be a string, one of {METHODS} or {AUTO!r}; got {type(method).__name__}")
     compiling = torch.compiler.is_compiling()
     if method == AUTO:
         # Every Triton method accepts the same inputs: one check serves whichever is chosen.

@@ -281,11 +281,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1
         if _is_kernel_method(method):
             phi_q, phi_k = _features(feature_map, feature, q, k)
         else:  # the PyTorch references keep PyTorch's map: the kernels are checked against them
-            phi_q, phi_k = feature(q), feature(k)
-            for name, x, phi in (("q", q, phi_q), ("k", k, phi_k)):
-                if not isinstance(phi, torch.Tensor) or phi.shape != x.shape:
-                    raise ValueError(f"feature_map must keep the shape of {name} {tuple(x.shape)}, "
-                                     f"got {getattr(phi, 'shape', type(phi).__name__)}")
+            phi_q, phi_k = _mapped(feature, q, "q"), _mapped(feature, k, "k")
         if normalize:
             ones = v.new_ones((*v.shape[:-1], 1))
             v = torch.cat([v, ones], dim=-1)  # the product's last column is phi(q_t)^T z_t
@@ -319,6 +315,15 @@ def _check_step_inputs(q, k, v, state, normalize):
                          f"{tuple(state.shape)} on {state.device}")
 
 
+def _takes_step_kernel(q, v) -> bool:
+    """Whether the step kernel runs this step: its dtypes, on its device, heads up to its widest.
+    Anything but tensors of at least one dimension goes to its checks too, which name it."""
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() and v.dim()):
+        return True
+    return (q.dtype in _STEP_KERNEL_DTYPES and q.is_cuda is _KERNEL_ON_CUDA
+            and max(q.shape[-1], v.shape[-1]) <= _step.MAX_HEAD_DIM)
+
+
 def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
     """One token of causal linear attention, O(1) in the sequence length; updates ``state`` in place.
 
@@ -329,14 +334,13 @@ def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, 
     with :func:`causal_linear_attention`).
 
     One launch of ``ttx_tutorial.kernels.step`` (the interpreter in CPU mode) for float32,
-    float16 and bfloat16 tensors on the kernels' device; named feature maps are computed in the
-    kernel, a callable one by PyTorch first. Other dtypes (float64) and tensors on another
-    device take a PyTorch path of a few operations. Either way no host synchronisation and a
+    float16 and bfloat16 tensors on the kernels' device with D and E up to 256; named feature
+    maps are computed in the kernel, a callable one by PyTorch first. Other dtypes (float64),
+    wider heads and tensors on another device take a PyTorch path of a few operations. Either way no host synchronisation and a
     fixed memory footprint: a CUDA graph can capture it. While torch.compile traces, the kernel
     path is the operator ``torch.ops.ttx_tutorial.linear_attention_step`` (``ttx_tutorial.ops``).
     """
-    # Anything but a tensor goes to the kernel's checks, which name it.
-    if not isinstance(q, torch.Tensor) or (q.dtype in _STEP_KERNEL_DTYPES and q.is_cuda is _KERNEL_ON_CUDA):
+    if _takes_step_kernel(q, v):
         if type(feature_map) is not str:  # a callable: mapped here, the kernel takes them as they are
             feature = feature_map_function(feature_map)
             q, k, feature_map = feature(q), feature(k), "identity"
@@ -429,6 +433,10 @@ class CausalLinearAttention(nn.Module):
 
     def initial_state(self, batch, device=None):
         """The state before any token: zeros (batch, heads, head_dim, head_dim + 1) float32."""
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError(f"batch must be an int, the number of sequences, got {type(batch).__name__}")
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
         device = self.q_proj.weight.device if device is None else device
         return torch.zeros(batch, self.heads, self.head_dim, self.head_dim + 1, dtype=torch.float32,
                            device=device)

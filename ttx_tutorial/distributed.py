@@ -250,7 +250,7 @@ def _check_local(q, k, v, initial_state, return_state, method, group, rank):
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be True or False, got {return_state!r}")
     if not isinstance(method, str):
-        raise TypeError(f"method must be a string, one of {api.METHODS}; got {type(method).__name__}")
+        raise TypeError(f"method must be a string, one of {api.METHODS} or {api.AUTO!r}; got {type(method).__name__}")
     if method == api.AUTO:
         check_inputs(q, k, v, initial_state, method=method, dtypes=KERNEL_DTYPES,
                      max_head_dim=api.MAX_HEAD_DIM, expected_device=_device.DEVICE.type,

@@ -1565,9 +1565,13 @@ def check_inputs(q, k, v, initial_state, method='chunked', cu_seqlens=None, *, n
         )
     if q.device.type != expected_device:
         where = "Triton's CPU interpreter" if expected_device == "cpu" else "the GPU"
+        move = f"Move them with .to({expected_device!r})"
+        if expected_device == "cuda" and not torch.cuda.is_available():
+            move = ("This machine has no GPU: set TRITON_INTERPRET=1 before importing this file, and "
+                    "Triton's interpreter runs it on CPU tensors")
         raise ValueError(
             f"method {method!r} runs on {where} in this session, so q, k, v must be on "
-            f"{expected_device!r}; they are on {q.device}. Move them with .to({expected_device!r})"
+            f"{expected_device!r}; they are on {q.device}. {move}"
         )
     D, E = q.shape[-1], v.shape[-1]
     if D < 1 or E < 1:
@@ -1623,7 +1627,21 @@ def _launch_guard():
     from triton.runtime import interpreter
     shared = vars(interpreter)
     lock = shared.get(_INTERPRETER_LOCK_NAME)  # made once: a lock per call would cost more than the lookup
-    return lock if lock is not None else shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    if lock is None:
+        lock = shared.setdefault(_INTERPRETER_LOCK_NAME, threading.RLock())
+    return _interpreted(lock)
+
+
+@contextlib.contextmanager
+def _interpreted(lock):
+    """``lock`` held, and NumPy's warnings of inf and NaN arithmetic off: the interpreter computes
+    with NumPy, which warns where a GPU's IEEE arithmetic is silent (non-finite values are inputs
+    the kernels handle), and a caller's warnings-as-errors would stop the launch. The interpreter's
+    own NumPy (its module's ``np``): this file imports only torch and triton."""
+    from triton.runtime import interpreter
+
+    with lock, interpreter.np.errstate(all="ignore"):
+        yield
 
 
 def _resolved(q, k, v, initial_state):
