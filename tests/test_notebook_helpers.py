@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 import ttx_tutorial
-from ttx_tutorial.course.notebook import banner, excerpt, progress
+from ttx_tutorial.course.notebook import banner, excerpt, progress, triton_imported_first
+from ttx_tutorial.testing import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").rglob("[0-9]*.ipynb"))
@@ -62,6 +63,18 @@ def test_the_banner_names_the_mode_and_tells_gpu_learners_to_rerun():
         assert "GPU MODE" in text
     else:
         assert "CPU MODE" in text and "run all cells again" in text and "GPU MODE" in text
+
+
+def test_the_banner_says_when_triton_was_imported_first():
+    """Imported before ttx_tutorial, Triton made its own functions for a GPU: the first cell of a
+    notebook says so, where it would otherwise claim a working CPU mode."""
+    if ttx_tutorial.on_gpu():
+        pytest.skip("the import order only matters for the CPU interpreter")
+    child = run_python("import triton\nimport ttx_tutorial\nprint(ttx_tutorial.banner())\n", timeout=300,
+                       TTX_TUTORIAL_DEVICE="cpu")
+    assert "TRITON WAS IMPORTED BEFORE ttx_tutorial" in child.stdout, child.stdout + child.stderr
+    assert "import ttx_tutorial first" in child.stdout.splitlines()[-2]  # describe()'s line too
+    assert not triton_imported_first()  # this process imported them in order
 
 
 def test_progress_yields_every_item_and_reports_on_stderr():

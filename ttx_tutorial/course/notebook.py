@@ -31,6 +31,20 @@ def size(cpu: T, gpu: T) -> T:
     return gpu if on_gpu() else cpu
 
 
+def triton_imported_first() -> bool:
+    """Whether CPU mode came too late for Triton: imported before ttx_tutorial set
+    TRITON_INTERPRET, Triton's own @jit functions (tl.sum, tl.cumsum, ...) were made for a GPU and
+    refuse to run in the interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return _device.INTERPRETED and not isinstance(triton.language.standard.sum, InterpretedFunction)
+
+
+#: What the banner says when Triton was imported before ttx_tutorial.
+IMPORTED_FIRST = ("but Triton was imported before ttx_tutorial, so tl.sum and Triton's other own functions will not "
+                  "run: restart the kernel and import ttx_tutorial first")
+
+
 def describe() -> str:
     """One line: which mode runs the kernels, and the versions that matter."""
     from .. import __version__
@@ -39,6 +53,8 @@ def describe() -> str:
         where = f"GPU mode: kernels compiled for CUDA ({_device.REASON})"
     else:
         where = f"CPU mode: Triton interpreter, TRITON_INTERPRET=1 ({_device.REASON})"
+        if triton_imported_first():
+            where += f", {IMPORTED_FIRST}"
     return (f"ttx_tutorial {__version__} | {where} | python {platform.python_version()} | "
             f"torch {torch.__version__} | triton {triton.__version__}")
 
@@ -59,6 +75,9 @@ def banner() -> str:
                  "ordering) have no effect here, and timings say nothing about a GPU.",
                  "Have an NVIDIA GPU? These outputs were made without one: run all cells again",
                  "(Kernel > Restart Kernel and Run All Cells) and this banner will say GPU MODE."]
+    if triton_imported_first():
+        lines = ["CPU MODE, BUT TRITON WAS IMPORTED BEFORE ttx_tutorial: tl.sum and Triton's other own",
+                 "functions will not run in the interpreter. Restart the kernel and import ttx_tutorial first."]
     rule = "=" * max(len(line) for line in lines)
     return "\n".join([rule, *lines, describe(), rule])
 
