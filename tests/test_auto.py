@@ -1,5 +1,7 @@
 """method="auto", the default of causal_product: which kernel it picks, and that it is checked."""
 
+import functools
+
 import pytest
 import torch
 
@@ -41,6 +43,29 @@ def test_auto_spreads_few_long_sequences_over_the_gpu():
     expected = "scan" if torch.cuda.get_device_properties(0).multi_processor_count > 128 else "chunked"
     assert ttx_tutorial.choose_method(under_half[0], under_half[2]) == expected
     assert ttx_tutorial.choose_method(full[0], full[2]) == "chunked"
+
+
+def test_the_rule_takes_scan_from_8192_tokens_below_half_a_program_a_multiprocessor():
+    """The rule's two thresholds, exactly: scan from T = 8192 on (not 8191), and only while chunked
+    would run fewer than half a program a multiprocessor (65 programs of 132, not 66)."""
+    E = 64
+    heads_a_program = -(-E // api._chunked_value_block(64, E, torch.bfloat16, None))
+    below, at_half = 65 // heads_a_program, 66 // heads_a_program  # one batch of H heads
+    assert below * heads_a_program == 65 and at_half * heads_a_program == 66, "a value block per head assumed"
+    rule = functools.partial(api._rule, D=64, E=E, dtype=torch.bfloat16, multiprocessors=_H200_MULTIPROCESSORS,
+                             float32_precision=None)
+    assert rule(1, below, 8192) == "scan"
+    assert rule(1, below, 8191) == "chunked"
+    assert rule(1, at_half, 8192) == "chunked"
+
+
+def test_packed_sequences_count_as_their_number_of_mean_length():
+    """16 sequences packed into 16384 tokens are counted as 16 of 1024, whatever their lengths."""
+    q = torch.empty(1, 8, 16384, 64)
+    v = torch.empty(1, 8, 16384, 32)
+    cu_seqlens = torch.arange(17, dtype=torch.int32)  # the values are not read
+    assert api._counted_shape(q, v, cu_seqlens) == (16, 8, 1024, 64, 32)
+    assert api._counted_shape(q, v) == (1, 8, 16384, 64, 32)
 
 
 def test_auto_validates_like_the_kernels():

@@ -312,6 +312,25 @@ def test_intermediates_beyond_float16_range(beyond, dtype, device):
     assert_close(final_state, ref_state, dtype, "final state")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_sequences_sum_the_state_with_a_carry(dtype, device, monkeypatch):
+    """Past ``COMPENSATED_FROM_CHUNKS`` chunks the state adds each chunk's product with a Kahan
+    carry. Here from the first chunk on: a state of 2**24, whose float32 unit in the last place is
+    2, gets 1 from every chunk (k = 1, v = 1 / CHUNK), which a plain float32 sum rounds away every
+    time (2**24 + 1 is a tie, rounded to even); with the carry the final state holds every one."""
+    monkeypatch.setattr(chunked, "COMPENSATED_FROM_CHUNKS", 0)
+    chunked._launch_plan.cache_clear()  # plans made before hold the threshold they were made with
+    try:
+        chunks, chunk, D, E = 12, 16, 16, 16
+        k = torch.ones(1, 1, chunks * chunk, D, dtype=dtype, device=device)
+        v = torch.full((1, 1, chunks * chunk, E), 1 / chunk, dtype=dtype, device=device)
+        s0 = torch.full((1, 1, D, E), 2.0 ** 24, device=device)
+        _, final_state = chunked.chunked_causal_product(k, k, v, s0, config={"CHUNK": chunk, "BLOCK_E": 16})
+    finally:
+        chunked._launch_plan.cache_clear()
+    assert torch.equal(final_state - 2.0 ** 24, torch.full_like(final_state, float(chunks)))
+
+
 def test_unknown_config_key_is_refused(device):
     q, k, v = random_inputs(1, 1, 4, 8, dtype=torch.float32, device=device, seed=8)
     with pytest.raises(ValueError, match="BLOCK_e"):

@@ -215,32 +215,43 @@ def test_non_finite_values_reach_exactly_the_references_positions_at_gpu_sizes(m
         assert_same_non_finite_positions(method, q, k, v, grad_o, dtype)
 
 
-def normalized_with_gradients(q, k, v, grad_o, *, reference):
-    """(out, S_T, dq, dk, dv) of chunked's normalised attention (eps 1e-6), or of its float64
-    reference: ``cumsum`` on v with a column of ones appended, whose last output column is the
-    denominator q_t . z_t."""
+def normalized_with_gradients(q, k, v, grad_o, s0=None, *, reference):
+    """(out, S_T, dq, dk, dv[, dS_0]) of chunked's normalised attention (eps 1e-6) from the state
+    ``s0`` ((B, H, D, E + 1), z last; None: zeros), or of its float64 reference: ``cumsum`` on v
+    with a column of ones appended, whose last output column is the denominator q_t . z_t."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    if s0 is not None:
+        leaves.append(s0.detach().clone().requires_grad_())
+    state0 = leaves[3] if s0 is not None else None
     with testing.poisoned_allocations():
         if reference:
             ones = torch.ones_like(leaves[2][..., :1])
-            extended, state = references.cumsum(leaves[0], leaves[1], torch.cat([leaves[2], ones], -1))
+            extended, state = references.cumsum(leaves[0], leaves[1], torch.cat([leaves[2], ones], -1), state0)
             out = extended[..., :-1] / (extended[..., -1:] + 1e-6)
         else:
-            out, state = chunked.chunked_normalized_attention(*leaves, eps=1e-6)
+            out, state = chunked.chunked_normalized_attention(*leaves[:3], state0, eps=1e-6)
         out.backward(grad_o.to(out.device, out.dtype))
     return out.detach(), state.detach(), *(x.grad for x in leaves)
 
 
-# bfloat16 takes the fused normalised backward, float32 the passes on g.
+# bfloat16 takes the fused normalised backward, float32 the passes on g. With a start state the
+# token-by-token walks that redo a block must start from its z_0 too.
+@pytest.mark.parametrize("with_state", [False, True], ids=["from_zero", "from_a_state"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("argument, garbage", [("q", math.inf), ("k", math.nan), ("v", math.inf), ("do", math.nan)],
                          ids=["q-inf", "k-nan", "v-inf", "do-nan"])
-def test_normalized_attention_keeps_non_finite_values_causal(argument, garbage, dtype, device):
+def test_normalized_attention_keeps_non_finite_values_causal(argument, garbage, dtype, with_state, device):
     q, k, v, grad_o = with_garbage(1, 2, 70, 16, 16, dtype, device, argument, garbage, 60, seed=6)
     q, k = q.abs(), k.abs()  # positive features: denominators far from 0
-    found = normalized_with_gradients(q, k, v, grad_o, reference=False)
-    expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)), reference=True)
-    assert_same_results("normalised", ("out", "S_T", "dq", "dk", "dv"), found, expected, dtype)
+    s0 = None
+    if with_state:  # S_0 of a few earlier tokens, z_0 their positive key sums
+        s0 = torch.randn(1, 2, 16, 17, generator=torch.Generator().manual_seed(7)).to(device)
+        s0[..., -1] = s0[..., -1].abs() + 2
+    found = normalized_with_gradients(q, k, v, grad_o, s0, reference=False)
+    expected = normalized_with_gradients(*(x.detach().cpu().double() for x in (q, k, v, grad_o)),
+                                         None if s0 is None else s0.cpu().double(), reference=True)
+    names = ("out", "S_T", "dq", "dk", "dv") + (("dS_0",) if with_state else ())
+    assert_same_results("normalised", names, found, expected, dtype)
 
 
 #: Packed sequences (a batch of one), among them an empty one: the walks after the chunk loops

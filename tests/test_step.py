@@ -108,9 +108,12 @@ def test_the_last_program_of_a_head_writes_z_and_resets_its_count(D, E, programs
             assert counts.dtype == torch.int32 and torch.equal(counts, torch.zeros_like(counts))
 
 
-def test_eps_enters_the_denominator():
-    # relu of a negative query is zero: the denominator is eps alone, and out = 0 / eps.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "pytorch_path"])
+def test_eps_enters_the_denominator(dtype):
+    # relu of a negative query is zero: the denominator is eps alone, and out = 0 / eps (0 / 0,
+    # NaN, without eps). float64 takes the PyTorch path.
     q, k, v, state = token_inputs(1, 2, 8, 4, torch.float32, True)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     with torch.no_grad():
         out = ttx_tutorial.linear_attention_step(-q.abs() - 1, k, v, state, feature_map="relu", eps=0.5)
     assert torch.equal(out, torch.zeros_like(out))
@@ -159,9 +162,11 @@ def test_strided_inputs_and_an_empty_batch():
     q, k, v, state = token_inputs(2, 4, 16, 8, torch.float32, True)
     wide = torch.randn(4, 2, 40, device=ttx_tutorial.DEVICE)
     q_view = wide[..., :16].transpose(0, 1)  # (2, 4, 16), strides in every dimension
-    expected_out, expected_state = step64(q_view, k, v, state, FEATURES["elu"], True, 1e-6)
+    k_view = (torch.randn(2, 4, 32, device=ttx_tutorial.DEVICE) / 4)[..., ::2]  # every other element
+    v_view = torch.randn(2, 4, 24, device=ttx_tutorial.DEVICE)[..., 1::3]
+    expected_out, expected_state = step64(q_view, k_view, v_view, state, FEATURES["elu"], True, 1e-6)
     with torch.no_grad():
-        out = ttx_tutorial.linear_attention_step(q_view, k, v, state)
+        out = ttx_tutorial.linear_attention_step(q_view, k_view, v_view, state)
         empty = ttx_tutorial.linear_attention_step(q[:0], k[:0], v[:0], state[:0])
     assert_close(out, expected_out, torch.float32)
     assert_close(state, expected_state, torch.float32, "state")
@@ -188,6 +193,8 @@ BAD = [
     ({"feature_map": 3}, ValueError, "feature_map must be one of"),
     ({"normalize": 1}, TypeError, "normalize must be a bool"),
     ({"eps": float("nan")}, ValueError, "eps must be finite"),
+    ({"eps": -1.0}, ValueError, "eps must be finite and >= 0, got -1.0"),
+    ({"eps": float("inf")}, ValueError, "eps must be finite and >= 0, got inf"),
     ({"eps": "small"}, TypeError, "eps must be a Python float"),
 ]
 

@@ -123,11 +123,7 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     """
     if _device.INTERPRETED or q.device.type != "cuda":
         return "chunked"
-    B, H, T, D = q.shape
-    E = v.shape[-1]
-    if cu_seqlens is not None:
-        B = cu_seqlens.shape[0] - 1
-        T //= B
+    B, H, T, D, E = _counted_shape(q, v, cu_seqlens)
     if gradients is None:
         gradients = _gradients_follow(q, v)
     multiprocessors, _ = chunked._device_limits(q.device)
@@ -135,6 +131,16 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     if q.dtype == torch.float32:
         precision, scan_precision = chunked.float32_precision(), scan.float32_precision()
     return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients, scan_precision)
+
+
+def _counted_shape(q, v, cu_seqlens=None) -> tuple[int, int, int, int, int]:
+    """(B, H, T, D, E) as the rule counts a call: packed sequences as N sequences of their mean
+    length (the offsets' count, not their values: no read back)."""
+    B, H, T, D = q.shape
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
+        T //= B
+    return B, H, T, D, v.shape[-1]
 
 
 def _gradients_follow(*tensors) -> bool:
