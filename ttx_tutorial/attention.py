@@ -336,9 +336,10 @@ def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, 
     One launch of ``ttx_tutorial.kernels.step`` (the interpreter in CPU mode) for float32,
     float16 and bfloat16 tensors on the kernels' device with D and E up to 256; named feature
     maps are computed in the kernel, a callable one by PyTorch first. Other dtypes (float64),
-    wider heads and tensors on another device take a PyTorch path of a few operations. Either way no host synchronisation and a
-    fixed memory footprint: a CUDA graph can capture it. While torch.compile traces, the kernel
-    path is the operator ``torch.ops.ttx_tutorial.linear_attention_step`` (``ttx_tutorial.ops``).
+    wider heads and tensors on another device take a PyTorch path of a few operations. Either
+    way no host synchronisation and a fixed memory footprint: a CUDA graph can capture it. While
+    torch.compile traces, the kernel path is the operator
+    ``torch.ops.ttx_tutorial.linear_attention_step`` (``ttx_tutorial.ops``).
     """
     if _takes_step_kernel(q, v):
         if type(feature_map) is not str:  # a callable: mapped here, the kernel takes them as they are
