@@ -252,6 +252,16 @@ def test_output_and_record_files_are_refused_before_anything_is_measured(tmp_pat
         assert message in capsys.readouterr().err, arguments
 
 
+def test_the_memory_floor_counts_each_tensor_once():
+    """Forward: q, k (D each) and v (E) read, o (E) written. Forward+backward adds q, k, v and dO
+    read, dq, dk (D each) and dv (E) written. D and E differ, so a tensor counted in the wrong
+    width shows."""
+    D, E = 3, 5
+    assert bench.floor_bytes((2, 1, 7, D, E), torch.bfloat16, "fwd") == 2 * 7 * (D + D + E + E) * 2
+    assert bench.floor_bytes((1, 1, 1, D, E), torch.float32, "fwd+bwd") == 4 * ((2 * D + 2 * E) + (2 * D + 2 * E)
+                                                                               + (2 * D + E))
+
+
 def test_short_dtype_names_are_accepted():
     assert bench.parse_names("fp32, bf16,float16", bench.DTYPES, "--dtypes", bench.DTYPE_ALIASES) == [
         "float32", "bfloat16", "float16"]

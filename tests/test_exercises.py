@@ -71,6 +71,9 @@ EXERCISES = {
          "its own offset (its program id times 16)"),
         ("column_mask_left_out", [("mask = (offs_t[:, None] < T) & (offs_d[None, :] < D)", "mask = offs_t[:, None] < T")],
          "the store's other dimension overruns"),
+        # off by ten times float32's tolerance only: the checker's tolerance is the dtype's, not a looser one
+        ("slightly_off", [("phi = tl.where(x > 0, x + 1.0, tl.exp(x))", "phi = tl.where(x > 0, x + 1.0, tl.exp(x)) * 1.0001")],
+         "wrong values: relative error 1.00e-04"),
     ]),
     "recurrent": ("ex2_recurrent_kernel", lambda ns: exercises.check_recurrent(ns["recurrent_kernel"]), [
         ("output_before_update", [("state += k[:, None] * v[None, :]\n        o = tl.sum(state * q[:, None], axis=0)",

@@ -252,6 +252,32 @@ def test_float16_initial_state_beyond_float16_range(method):
     check_state_beyond_float16_range(method, q, k, v, initial_state)
 
 
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_float16_backward_whose_state_gradient_passes_float16_range(method):
+    """The backward's reverse state R = dS_T + sum of q^T dO over the later tokens, here about
+    1e5 per entry (dS_T), which float16 cannot hold, while every gradient fits: small k and v keep
+    dk = R v and dv = R^T k near 16 * (1/96) * 1e5 = 1.7e4. Also the initial state's gradient,
+    which is R at the start, where v needs no gradient (its own backward branch)."""
+    q, k, v = positive_float16_inputs(1, 2, 70, 16, 16, kv_range=(0, 1 / 48), q_high=1 / 48, seed=4)
+    s0 = torch.rand(1, 2, 16, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    grad_o = torch.randn(1, 2, 70, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    grad_state = torch.full((1, 2, 16, 16), 1e5, device=DEVICE) + torch.rand(
+        1, 2, 16, 16, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    _, _, expected = testing.reference_gradients(q, k, v, s0, grad_o, grad_state)
+    assert expected["initial_state"].abs().max() > 1.5 * FLOAT16_MAX, "R does not pass float16's range"
+    assert max(expected[name].abs().max() for name in "qkv") < 0.5 * FLOAT16_MAX, "a gradient does not fit"
+    for needs_v in (True, False):
+        leaves = {"q": q.clone().requires_grad_(), "k": k.clone().requires_grad_(),
+                  "v": v.clone().requires_grad_(needs_v), "initial_state": s0.clone().requires_grad_()}
+        with testing.poisoned_allocations():
+            o, state = ttx_tutorial.causal_product(leaves["q"], leaves["k"], leaves["v"], method,
+                                                   initial_state=leaves["initial_state"], return_state=True)
+            torch.autograd.backward((o, state), (grad_o, grad_state))
+        for name, leaf in leaves.items():
+            if leaf.requires_grad:
+                testing.assert_close(leaf.grad, expected[name], torch.float16, name=f"{method} d{name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", TRITON_METHODS)
 def test_float16_65536_tokens_of_unit_features(method):

@@ -11,14 +11,27 @@ from ttx_tutorial.testing import TOLERANCES, assert_close, poisoned_allocations,
 TRITON_METHODS = ("recurrent", "chunked", "scan")
 
 
-@pytest.mark.parametrize("method, with_initial_state", [
-    *((m, True) for m in TRITON_METHODS + ("auto",)), ("chunked", False)])
-def test_opcheck(method, with_initial_state):
-    """Schema, fake (shape-only) implementation, autograd registration, and the traced graph."""
+@pytest.mark.parametrize("method, with_initial_state, dtype", [
+    *((m, True, torch.float32) for m in TRITON_METHODS + ("auto",)), ("chunked", False, torch.float32),
+    ("chunked", True, torch.bfloat16), ("scan", False, torch.float16)])
+def test_opcheck(method, with_initial_state, dtype):
+    """Schema, fake (shape-only) implementation, autograd registration, and the traced graph; in
+    16 bits too, where the final state (float32) and the output (the input dtype) differ."""
     T = 9 if method == "recurrent" else 19  # the interpreter walks recurrent token by token
-    inputs = random_inputs(1, 2, T, 16, 8, initial_state=with_initial_state, requires_grad=True)
+    inputs = random_inputs(1, 2, T, 16, 8, dtype=dtype, initial_state=with_initial_state, requires_grad=True)
     q, k, v, s0 = inputs if with_initial_state else (*inputs, None)
     torch.library.opcheck(ops.causal_product_op, (q, k, v, s0, method))
+
+
+@pytest.mark.parametrize("method", TRITON_METHODS)
+def test_backward_opcheck_on_transposed_inputs(method):
+    """The backward operator's gradients are laid out as its fake one says (each as its input),
+    also for inputs that are views with other strides than contiguous tensors'."""
+    q, k, v, s0 = random_inputs(1, 2, 9, 16, 8, initial_state=True)
+    q, k = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k))  # D fastest no more
+    v = v.transpose(0, 1).contiguous().transpose(0, 1)
+    grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
+    torch.library.opcheck(ops._causal_product_backward_op, (q, k, v, s0, grad_o, grad_state, method))
 
 
 def test_operator_matches_float64_with_gradients():
@@ -248,9 +261,11 @@ def test_gpu_reduce_overhead_matches_eager(method):
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_opcheck(normalize, dtype):
-    """The state declared as mutated, the fake output's shape and dtype, no autograd to register."""
-    q, k, v = (torch.randn(2, 3, 8, dtype=dtype, device=ttx_tutorial.DEVICE) for _ in range(3))
-    state = torch.zeros(2, 3, 8, 8 + normalize, device=ttx_tutorial.DEVICE)
+    """The state declared as mutated, the fake output's shape and dtype, no autograd to register;
+    D and E differ, so an output sized by the wrong one fails."""
+    q, k = (torch.randn(2, 3, 8, dtype=dtype, device=ttx_tutorial.DEVICE) for _ in range(2))
+    v = torch.randn(2, 3, 5, dtype=dtype, device=ttx_tutorial.DEVICE)
+    state = torch.zeros(2, 3, 8, 5 + normalize, device=ttx_tutorial.DEVICE)
     torch.library.opcheck(ops.linear_attention_step_op, (q, k, v, state, "elu", normalize, 1e-6))
 
 
