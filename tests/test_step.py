@@ -117,6 +117,9 @@ def test_eps_enters_the_denominator(dtype):
     with torch.no_grad():
         out = ttx_tutorial.linear_attention_step(-q.abs() - 1, k, v, state, feature_map="relu", eps=0.5)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_a_large_eps_matches_float64():
     check_step("elu", True, torch.float32, eps=3.0)
 
 

@@ -312,8 +312,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
     tail = (block is not None and out.shape[row_dim] % block != 0)
     if n_outside:
         left = out.shape[row_dim] % block if tail else 0
-        row_width = out.numel() // max(1, out.shape[0] * out.shape[row_dim]) if row_dim > 0 else \
-            out.numel() // max(1, out.shape[row_dim])
+        # Elements in one row of one sequence (the output is (sequences, rows, ...)).
+        row_width = out.numel() // max(1, out.shape[0] * out.shape[row_dim])
         if out.numel() and n_outside % max(1, row_width):
             # Not a whole number of rows: a row written past its last column, not a row past the end.
             hint = (f" That is not a whole number of {row_name}: the store's other dimension overruns (a block of "
@@ -328,7 +328,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                     "`&` for a 2-D block).")
         # One row past the end of every sequence (only the last sequence's spills outside when
         # sequences lie one after another) or of the whole output.
-        one_row = (out.numel() // (out.shape[0] * out.shape[row_dim]), out.numel() // out.shape[row_dim])
+        one_row = (row_width, out.numel() // max(1, out.shape[row_dim]))
         if out.numel() and n_outside in one_row:
             hint += f" Exactly one {row_name.rstrip('s')} past the end: is a mask written `<=` where it needs `<`?"
         hint += " (Or the store uses another tensor's strides, or adds the program's offset twice.)"
