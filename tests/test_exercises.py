@@ -95,6 +95,10 @@ EXERCISES = {
          "Two blocks of different shapes met"),
         ("state_started_in_float16", [("state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)",
                                        "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float16)")], "GPU compiler refuses"),
+        ("loop_stops_one_token_early", [("    for t in range(T):\n        k = tl.load", "    for t in range(T - 1):\n        k = tl.load")],
+         "That is the last token: does the loop over the tokens"),
+        ("loop_one_token_too_many", [("    for t in range(T):\n        k = tl.load", "    for t in range(T + 1):\n        k = tl.load")],
+         "run one step too many"),
     ]),
     "small_dot": ("ex3_small_dot_blocks",
                   lambda ns: exercises.check_small_dot(ns["one_chunk_kernel"], ns["block_sizes"]), [
@@ -146,6 +150,21 @@ EXERCISES = {
         ("state_rounded_to_16_bits", [("state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")",
                                        "state = (state + tl.dot(tl.trans(k), v, input_precision=\"ieee\"))"
                                        ".to(q.dtype).to(tl.float32)")], "16 bits"),
+        # softmax attention's habit: infinities, not unwritten elements
+        ("masked_scores_set_to_minus_inf", [("scores = tl.where(causal, scores, 0.0)", "scores = tl.where(causal, scores, float(\"-inf\"))")],
+         "a masked-off score is 0.0"),
+        # the mask compares a token's place in the sequence with a key's place in the chunk: right in the
+        # first chunk only, a leak inside the later ones
+        ("mask_on_absolute_rows", [("scores = tl.where(causal, scores, 0.0)", "scores = tl.where(rows[:, None] >= offs_c[None, :], scores, 0.0)")],
+         "a future token leaks into the past"),
+        ("chunk_term_replaced_by_the_state_term", [("o += tl.dot(q, state.to(q.dtype)", "o = tl.dot(q, state.to(q.dtype)")],
+         "the chunk's own masked scores times v are lost"),
+        ("scores_transposed", [("scores = tl.dot(q, tl.trans(k), input_precision=\"ieee\")", "scores = tl.dot(k, tl.trans(q), input_precision=\"ieee\")")],
+         "the chunk's scores are k qᵀ"),
+        ("state_held_in_float16", [("state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)", "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float16)"),
+                                   ("state += tl.dot(tl.trans(k), v, input_precision=\"ieee\")",
+                                    "state += tl.dot(tl.trans(k), v, input_precision=\"ieee\").to(tl.float16)")],
+         "a value held in 16 bits"),
     ]),
     "scan": ("ex5_scan_step", lambda ns: exercises.check_scan(ns["exclusive_scan_kernel"]), [
         ("inclusive_scan", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")], "inclusive scan"),
@@ -155,6 +174,11 @@ EXERCISES = {
          [("out_ptr + seq * stride_oh + row * stride_od + offs_s[:, None] * stride_os + offs_e[None, :] * stride_oe",
            "out_ptr + seq * stride_sh + row * stride_sd + offs_s[:, None] * stride_ss + offs_e[None, :] * stride_se")],
          "contiguous tensors pass but transposed ones do not"),
+        ("segments_addressed_with_the_row_stride", [("offs_s[:, None] * stride_ss", "offs_s[:, None] * stride_sd"),
+                                                    ("row * stride_sd\n", "row * stride_ss\n")],
+         "or along another axis than the segments"),
+        ("program_ids_swapped", [("    seq = tl.program_id(0)\n    row = tl.program_id(1)\n",
+                                  "    seq = tl.program_id(1)\n    row = tl.program_id(0)\n")], "wrong axis of the grid"),
     ]),
     "dq": ("ex6_backward_dq", lambda ns: exercises.check_dq(ns["dq_kernel"]), [
         ("output_before_update", [("state += v[:, None] * k[None, :]\n        dq = tl.sum(state * do[:, None], axis=0)",
@@ -175,6 +199,16 @@ EXERCISES = {
         ("forward_roles_kept", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)", "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)"),
                                 ("state += v[:, None] * k[None, :]", "state += k[:, None] * v[None, :]")],
          "dO in q's place"),
+        # the interpreter lets the loop change the state's dtype; a GPU compiler refuses the kernel
+        ("state_started_in_float16", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)",
+                                       "state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float16)")], "must keep its dtype and shape"),
+        ("state_started_as_a_python_float", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)", "state = 0.0")],
+         "GPU compiler refuses"),
+        ("state_summed_over_the_value_axis", [("dq = tl.sum(state * do[:, None], axis=0)", "dq = tl.sum(state * do[:, None], axis=1)")],
+         "summed over the wrong axis"),
+        ("output_gradient_read_with_the_keys_strides", [("do_ptr + t * stride_dot + offs_e * stride_doe", "do_ptr + t * stride_kt + offs_e * stride_kd")],
+         "The case with D = E passed"),
+        ("loop_starts_one_token_late", [("    for t in range(T):\n", "    for t in range(1, T):\n")], "That is the first token"),
     ]),
 }
 
@@ -229,6 +263,8 @@ WATCHED_LOAD_ATTEMPTS = [
     ("feature_map", "bfloat16_arithmetic", [("    x = x.to(tl.float32)\n    phi = tl.where(x > 0, x + 1.0, tl.exp(x))",
                                              "    phi = tl.where(x > 0, x + 1, tl.exp(x.to(tl.float32)).to(x.dtype))")],
      "arithmetic on bfloat16 values wrong"),
+    ("scan", "combine_function_not_jitted", [("tl.cumsum(block, axis=0) - block", "tl.associative_scan(block, 0, lambda a, b: a + b) - block")],
+     "must itself be a `@triton.jit` function"),
     ("dq", "bfloat16_loads", [(", mask=mask_d, other=0.0).to(tl.float32)", ", mask=mask_d, other=0.0)"),
                               (", mask=mask_e, other=0.0).to(tl.float32)\n        do", ", mask=mask_e, other=0.0)\n        do"),
                               ("offs_e * stride_doe, mask=mask_e, other=0.0).to(tl.float32)", "offs_e * stride_doe, mask=mask_e, other=0.0)")],
@@ -237,7 +273,7 @@ WATCHED_LOAD_ATTEMPTS = [
 
 #: Attempts whose mistake only the interpreter shows (its watched loads, its bfloat16 arithmetic).
 INTERPRETER_ONLY = ("loads_without_other", "masks_on_tokens_only", "load_unmasked", "previous_segment_loaded_at_segment_0",
-                    "bfloat16_arithmetic", "bfloat16_loads")
+                    "bfloat16_arithmetic", "bfloat16_loads", "combine_function_not_jitted")
 
 
 @pytest.mark.parametrize("name, attempt, replacements, words", [pytest.param(*a, id=f"{a[0]}-{a[1]}")
@@ -435,6 +471,10 @@ def test_submissions_in_student_folders_keep_their_folder_in_the_label(tmp_path)
     assert [label for _, label in found] == ["submitted/ana/week1/ex1_masked_kernel.ipynb",
                                              "submitted/ben/week1/ex1_masked_kernel.ipynb",
                                              "other/ana/week1/ex1_masked_kernel.ipynb"]
+    # One assignment of every student (``submitted/*/week1``): the folders are cousins, and each label
+    # keeps its student's folder.
+    found = grading.submissions([tmp_path / "submitted" / "ana" / "week1", tmp_path / "submitted" / "ben" / "week1"])
+    assert [label for _, label in found] == ["ana/week1/ex1_masked_kernel.ipynb", "ben/week1/ex1_masked_kernel.ipynb"]
     named = tmp_path / "submitted" / "ana" / "week1" / "ex1_masked_kernel.ipynb"
     assert grading.submissions([named]) == [(named, str(named))]
 
@@ -489,6 +529,17 @@ def test_generate_outside_the_repository_root_says_what_to_do(tmp_path, monkeypa
     with pytest.raises(SystemExit):
         main(["generate"])
     assert "run this from the repository's root" in capsys.readouterr().err
+
+
+def test_generate_makes_the_students_folder(tmp_path):
+    """An assignment prepared into a release folder of its own: the folder is made, not a traceback."""
+    from ttx_tutorial.exercises.__main__ import main
+
+    release = tmp_path / "release" / "week1"
+    assert main(["generate", "--solutions", str(SOLUTIONS), "--students", str(release)]) == 0
+    assert sorted(p.name for p in release.glob("*.ipynb")) == sorted(p.name for p in SOLUTIONS.glob("*.ipynb"))
+    assert (release / "ex2_recurrent_kernel.ipynb").read_text(encoding="utf-8") == \
+        (STUDENTS / "ex2_recurrent_kernel.ipynb").read_text(encoding="utf-8")
 
 
 def test_grade_command_line_refuses_bad_limits(capsys):

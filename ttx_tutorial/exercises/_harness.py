@@ -330,8 +330,10 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         # sequences lie one after another) or of the whole output.
         one_row = (row_width, out.numel() // max(1, out.shape[row_dim]))
         if out.numel() and n_outside in one_row:
-            hint += f" Exactly one {row_name.rstrip('s')} past the end: is a mask written `<=` where it needs `<`?"
-        hint += " (Or the store uses another tensor's strides, or adds the program's offset twice.)"
+            hint += (f" Exactly one {row_name.rstrip('s')} past the end: is a mask written `<=` where it needs `<`, "
+                     f"or does a loop over the {row_name} run one step too many (`range(T + 1)`)?")
+        hint += (" (Or the store uses another tensor's strides, adds the program's offset twice, or takes a "
+                 "program id from the wrong axis of the grid.)")
         raise Failure(f"wrote {n_outside} element(s) outside the output ({case.describe()}).{hint}")
     if read_outside:
         where = f" ({overruns})" if overruns else ""
@@ -349,6 +351,17 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
                       f"elements, though the float32 cases passed: most likely Triton's interpreter, which gets "
                       f"arithmetic on bfloat16 values wrong (a GPU does not). Convert bfloat16 loads with "
                       f"`.to(tl.float32)` before any arithmetic, as the float32 path does.")
+    # The checker marks unwritten elements with +inf; beside -inf, or (under the interpreter, which
+    # watched the loads) NaN that no load explains, the +inf were computed too.
+    computed_infinities = bool((out == -UNWRITTEN).any()) or (
+        _device.INTERPRETED and bool(torch.isnan(out).any()) and not undefined)
+    if unwritten.any() and computed_infinities:
+        raise Failure(f"the output holds infinities (+inf is also the checker's mark for unwritten elements) and "
+                      f"{'-inf or NaN' if _device.INTERPRETED else '-inf'} although every input is finite "
+                      f"({case.describe()}): the arithmetic made them. A masked-off score set to "
+                      f"-inf, as softmax attention does before its exp, gives them once it multiplies v: in linear "
+                      f"attention a masked-off score is 0.0 (`tl.where(causal, scores, 0.0)`). (Or a value grew "
+                      f"past the range of its type: compute in float32.)")
     if unwritten.all() and out.numel():
         raise Failure(f"the output was never written ({case.describe()}): is the tl.store missing, or "
                       f"does it store to another pointer?")
@@ -368,6 +381,13 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         elif block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
+        elif block is None and missing and (missing[0] == 0 or missing[-1] == out.shape[row_dim] - 1) \
+                and missing == list(range(missing[0], missing[-1] + 1)):
+            end = "first" if missing[0] == 0 else "last"
+            which = (f"That is the {end} {row_name.rstrip('s')}" if len(missing) == 1 else
+                     f"Those are the {end} {len(missing)} {row_name}")
+            hint = (f" {which}: does the loop over the {row_name} (or the mask on them) cover every one, from 0 "
+                    f"to the last (`for t in range(T)`, `offs < T`)?")
         if not hint and case.dtype == torch.bfloat16 and _device.INTERPRETED:
             hint = (" (Or they were written as inf: Triton's interpreter gets arithmetic on bfloat16 values "
                     "wrong, so convert bfloat16 loads with `.to(tl.float32)` before any arithmetic.)")

@@ -51,19 +51,23 @@ def state_rows_summed64(q, k, v):
     return q * states.sum(-1)
 
 
-def chunk_mistake64(q, k, v, *, chunk, intra_mask=True, state_first=False):
+def chunk_mistake64(q, k, v, *, chunk, intra_mask=True, state_first=False, intra=True, scores_kq=False):
     """What a chunked kernel with chunks of ``chunk`` tokens computes when it leaves out the causal
-    mask inside a chunk (``intra_mask=False``: o_t sees its whole chunk) or adds the chunk's kᵀ v to
-    the state before q reads it (``state_first``: the chunk counted once more, whole); float64."""
+    mask inside a chunk (``intra_mask=False``: o_t sees its whole chunk), adds the chunk's kᵀ v to
+    the state before q reads it (``state_first``: the chunk counted once more, whole), loses the
+    chunk's own term (``intra=False``: only q S, as when `o =` replaces what `o +=` adds to) or
+    takes the chunk's scores as k qᵀ (``scores_kq``: row t holds k_t . q_s); float64."""
     T = q.shape[-2]
     t = torch.arange(T, device=q.device)
     chunk_start, chunk_end = (t // chunk * chunk)[:, None], ((t // chunk + 1) * chunk)[:, None]
     s = t[None, :]
-    weights = (s < chunk_start).double()  # the state: every earlier chunk
-    weights += ((s >= chunk_start) & (s <= t[:, None] if intra_mask else s < chunk_end)).double()
+    earlier = (s < chunk_start).double()  # the state: every earlier chunk
+    inside = ((s >= chunk_start) & (s <= t[:, None] if intra_mask else s < chunk_end)).double() * intra
     if state_first:
-        weights += ((s >= chunk_start) & (s < chunk_end)).double()
-    return ((q @ k.transpose(-1, -2)) * weights.to(q.device)) @ v
+        inside += ((s >= chunk_start) & (s < chunk_end)).double()
+    scores = q @ k.transpose(-1, -2)
+    inside_scores = (k @ q.transpose(-1, -2)) if scores_kq else scores
+    return (scores * earlier.to(q.device) + inside_scores * inside.to(q.device)) @ v
 
 
 def dq64(do, k, v, *, mask="causal"):
@@ -111,6 +115,9 @@ def _raised_hint(error) -> str:
     if "Expected dtype ['fp32', 'fp64']" in raised:
         return (" tl.exp and the other math functions take float32 or float64: convert the loaded "
                 "block with `.to(tl.float32)` first.")
+    if "object has no attribute 'fn'" in raised:
+        return (" A function that a kernel calls, such as the combine function of `tl.associative_scan`, must "
+                "itself be a `@triton.jit` function (a plain `def` or a lambda is not).")
     if "incompatible dimensions" in raised:
         return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
                 "built for another dimension (check which mask goes with which load and store).")
@@ -179,8 +186,9 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
         if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{message} ({case.describe()}).")
     T = out.shape[1]
-    if T > 2:
-        cut = (T - 1) // 2  # off the chunk boundaries, so a leak inside a chunk shows too
+    # In the middle (off the chunk boundaries, so a leak inside the first chunks shows too) and
+    # near the end (a leak inside the last chunk, which the first cut may not reach).
+    for cut in sorted({(T - 1) // 2, T - 2}) if T > 2 else ():
         changed_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         for tensor in changed_inputs.values():
             tensor[:, cut:] = torch.randn_like(tensor[:, cut:], dtype=torch.float32).to(tensor.dtype)
@@ -195,12 +203,30 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
         if first <= tol:
             raise Failure(f"the first {row_block} tokens are right, later ones wrong ({case.describe()}): what reaches "
                           f"a chunk from the chunks before it (the state, and its product with q) is missing or "
-                          f"wrong. The state after a chunk must hold every earlier token's k_s v_sᵀ.")
-    hint = ""
+                          f"wrong. The state after a chunk must hold every earlier token's k_s v_sᵀ."
+                          f"{_sixteen_bit_hint(case, error)}")
+    raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()})."
+                  f"{_wrong_values_hint(case, error, passed)}")
+
+
+def _sixteen_bit_hint(case, error) -> str:
     if case.dtype == torch.float32 and 1e-4 < error < 2e-2:
-        hint = (" An error of this size in float32 usually means a value held in 16 bits somewhere: the state, "
+        return (" An error of this size in float32 usually means a value held in 16 bits somewhere: the state, "
                 "or a load or product converted to float16 or bfloat16.")
-    raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()}).{hint}")
+    return ""
+
+
+def _wrong_values_hint(case, error, passed) -> str:
+    """What a wrong value's size, or the cases passed before it, say about where to look."""
+    if _sixteen_bit_hint(case, error):
+        return _sixteen_bit_hint(case, error)
+    sizes = case.sizes
+    if "D" in sizes and "E" in sizes and sizes["D"] != sizes["E"] and any(
+            c.sizes.get("D") == c.sizes.get("E") and c.dtype == case.dtype and not c.any_transposed for c in passed):
+        return (f" The case with D = E passed and this one has D = {sizes['D']}, E = {sizes['E']}: somewhere a size, "
+                f"mask, offset or stride that belongs to a tensor with the last dimension D is used for one with "
+                f"E, or the other way round.")
+    return ""
 
 
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
@@ -297,6 +323,10 @@ def _refusal(where, error_or_message, culprits="") -> str:
     hint = (" The inner dimension K of a tl.dot (the columns of its first block, the rows of its second) must "
             f"be at least 16 for these operands{culprits}; M and N may be smaller. Pad such blocks to 16 and "
             "mask the loads." if ">= 16" in message else "")
+    if "Loop-carried variable" in message:
+        hint = (" A value carried from one iteration of a loop to the next must keep its dtype and shape, which "
+                "the interpreter does not enforce: start it as the block it becomes, such as a float32 state "
+                "`tl.zeros((rows, columns), dtype=tl.float32)`.")
     return f"the GPU compiler refuses the kernel {where}: \"{message.splitlines()[0]}\".{hint}"
 
 
@@ -530,6 +560,11 @@ def check_chunked(kernel) -> CheckResult:
         (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, intra_mask=False, state_first=True),
          f"the causal mask inside the chunk is missing, and the state already holds the chunk: the scores q kᵀ "
          f"need the mask (s <= t), and {read_before_update}"),
+        (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, intra=False),
+         "only the earlier chunks reach the output (q S): the chunk's own masked scores times v are lost. "
+         "The output is the sum of both terms: `o = ...` for one, `o += ...` for the other"),
+        (lambda q, k, v: chunk_mistake64(q, k, v, chunk=CHUNK, scores_kq=True),
+         "the chunk's scores are k qᵀ, transposed: row t must hold q_t . k_s, `tl.dot(q, tl.trans(k))`"),
     ]
     options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token) + chunk_variants,
                    row_block=CHUNK,
@@ -576,7 +611,9 @@ def check_scan(kernel) -> CheckResult:
                                   BLOCK_S=next_power_of_2(s["S"]), BLOCK_E=next_power_of_2(s["E"]))
 
     leak = ("changing segments {cut}..{last} changed the states entering earlier segments ({case}): the sum "
-            "runs the wrong way. The state entering segment s sums segments 0..s-1 only: scan from segment 0 up.")
+            "runs the wrong way, or along another axis than the segments. The state entering segment s sums "
+            "segments 0..s-1 only: scan from segment 0 up, along the segments (`offs_s` with `stride_ss`; the "
+            "program's row d with `stride_sd`).")
     options = dict(make_inputs=make_inputs, spec=exclusive_scan64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["S"], c.sizes["D"], c.sizes["E"]),
                    launch=launch, uses_dot=False, row_name="segments", leak=leak,
@@ -631,10 +668,19 @@ def check_dq(kernel) -> CheckResult:
                 # the forward's roles kept, dO in q's place: a (T, E) result, comparable where D = E
                 (lambda do, k, v: causal_product64(do, k, v) if k.shape[-1] == v.shape[-1] else None,
                  "this is the forward's product with dO in q's place, sum of (do_t . k_s) v_s: dq_t sums "
-                 "(do_t . v_s) k_s, so the state pairs them the other way, v_s k_sᵀ (E x D)")]
+                 "(do_t . v_s) k_s, so the state pairs them the other way, v_s k_sᵀ (E x D)"),
+                (lambda do, k, v: state_rows_summed64(do, v, k),
+                 "the state is summed over the wrong axis: P is E x D (a row per value dimension), and dq_t = sum "
+                 "over e of do_t[e] P[e, :], a sum down the rows (`axis=0` of `state * do[:, None]`)")]
     options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
                    launch=launch, uses_dot=False)
-    return _run_cases(exercise, _sequence_cases(short_T=16, tail_T=13, names=("do", "v", "k"), output="dq"),
-                      lambda case, passed: _check_sequence_case(case, passed, **options))
+    cases = _sequence_cases(short_T=16, tail_T=13, names=("do", "v", "k"), output="dq")
+
+    def run_case(case, passed):
+        _check_sequence_case(case, passed, **options)
+        if case is cases[-1]:  # the interpreter accepts what a GPU compiler refuses (a state's dtype changing)
+            _compile_failure(kernel, DQ_ARGS, [{"BLOCK_D": 16, "BLOCK_E": 16}], (torch.float16,))
+
+    return _run_cases(exercise, cases, run_case, note="; compiles for " + " and ".join(COMPILE_TARGETS))
 

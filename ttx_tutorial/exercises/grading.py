@@ -193,9 +193,14 @@ def submissions(paths) -> list[tuple[Path, str]]:
     sub-folders (hidden ones skipped), sorted. A file named directly is labelled as it was
     written; a file found in a folder by its path below that folder (``ana/ex1.ipynb``, as in
     nbgrader's ``submitted/<student>/<assignment>/``), or, where several folders are named, below
-    their parents (``submitted/ana/ex1.ipynb``), so that no two labels are alike."""
+    the folder that holds them all (``submitted/ana/ex1.ipynb`` for ``submitted other``;
+    ``ana/ex1/ex1.ipynb`` for ``submitted/ana/ex1 submitted/ben/ex1``, one assignment of every
+    student), so that no two labels are alike."""
     paths = list(map(Path, paths))
-    several_folders = sum(path.is_dir() for path in paths) > 1
+    folders = [Path(os.path.abspath(path)) for path in paths if path.is_dir()]
+    # Below the folders' common parent: their parents when they are siblings, and the folder of
+    # the students when each is one student's copy of an assignment.
+    common = Path(os.path.commonpath([folder.parent for folder in folders])) if len(folders) > 1 else None
     found = []
     for path in paths:
         if path.is_dir():
@@ -203,8 +208,10 @@ def submissions(paths) -> list[tuple[Path, str]]:
                            and not _hidden(p, path))
             if not files:
                 raise ValueError(f"no .ipynb or .py files in {path} or its sub-folders")
-            base = path.parent if several_folders else path
-            found += [(p, p.relative_to(base).as_posix()) for p in files]
+            if common is None:
+                found += [(p, p.relative_to(path).as_posix()) for p in files]
+            else:
+                found += [(p, Path(os.path.abspath(p)).relative_to(common).as_posix()) for p in files]
         elif path.is_file() and path.suffix in (".ipynb", ".py"):
             found.append((path, str(path)))
         else:

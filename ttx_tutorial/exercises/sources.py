@@ -106,6 +106,7 @@ def generate(solutions: Path, students: Path) -> list[Path]:
     sources = sorted(solutions.glob("*.ipynb"))
     if not sources:
         raise ValueError(f"no .ipynb files in {solutions}")
+    students.mkdir(parents=True, exist_ok=True)
     written = []
     for source in sources:
         notebook = json.loads(source.read_text(encoding="utf-8"))
