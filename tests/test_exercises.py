@@ -245,6 +245,32 @@ def test_wrong_attempt_gets_its_diagnosis(name, attempt, replacements, words):
     assert any(w in result.message for w in ((words,) if isinstance(words, str) else words)), result.message
 
 
+
+def test_a_compiler_error_raised_at_launch_is_named_by_its_own_message():
+    """On a GPU the launch compiles the kernel, and Triton's code generator wraps what it refuses
+    in a CompilationError whose text starts "at LINE:COLUMN:" and ends with the reason: the
+    diagnosis quotes the reason and gives its hint, as it does for the CPU's compile for a target."""
+    import ast
+
+    from triton.compiler.errors import CompilationError
+
+    from ttx_tutorial.exercises import checkers
+    from ttx_tutorial.exercises._harness import launch_error
+
+    src = "def kernel():\n    for t in range(T):\n        state += x\n"
+    reason = AssertionError("Loop-carried variable state has initial type <['16', '16'], fp16> but is "
+                            "re-assigned to <['16', '16'], fp32> in loop! Please make sure that the type stays consistent.")
+    try:
+        try:
+            raise reason
+        except AssertionError as e:  # as triton/compiler/code_generator.py wraps it
+            raise CompilationError(src, ast.parse(src).body[0].body[0], repr(e)) from None
+    except CompilationError as error:
+        assert str(error).startswith("at 2:4:")
+        assert "Loop-carried variable state" in launch_error(error)
+        assert "must keep its dtype and shape" in checkers._refusal("(a case)", error)
+
+
 #: Mistakes that only the interpreter's watched loads reveal (on a GPU, reads past an edge may fault
 #: or pass, and switched-off lanes may hold zeros): (exercise, attempt, replacements, words).
 WATCHED_LOAD_ATTEMPTS = [

@@ -230,14 +230,25 @@ def require_arguments(kernel, expected, exercise):
 
 
 def launch_error(error: BaseException) -> str:
-    """The first line of what a launch raised, in a form a student can act on."""
+    """The first line of what a launch raised, in a form a student can act on. A Triton compiler
+    error reads "at LINE:COLUMN:", then the source, then its own message: the line is that message's."""
     text = str(error).strip().splitlines()
     cause = error
     while cause.__cause__ is not None:
         cause = cause.__cause__
-    inner = str(cause).strip().splitlines()
+    own = getattr(cause, "error_message", None)
+    inner = str(own if own else cause).strip().splitlines()
     line = (inner or text or [type(error).__name__])[0]
     return f"{type(cause).__name__}: {line[:300]}"
+
+
+def error_chain_text(error: BaseException) -> str:
+    """Everything a raised error and the errors it was raised from say, to look for known causes in."""
+    texts = []
+    while error is not None:
+        texts.append(f"{error}\n{getattr(error, 'error_message', None) or ''}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
 
 
 # --------------------------------------------------------------------------- cases

@@ -19,7 +19,8 @@ from ..course.compiler import compile_for_target
 from ..testing import TOLERANCES, random_inputs, relative_error
 from .grading import EXERCISE_NAMES
 from ._harness import (BF16_DOT_NOTE, UNWRITTEN, Case, CheckResult, Failure, blank_in, blank_message, check_output,
-                       dtype_name, guarded, guarded_copy, interpreter_bf16_dot_ok, launch_error,
+                       dtype_name, error_chain_text, guarded, guarded_copy, interpreter_bf16_dot_ok,
+                       launch_error,
                        next_power_of_2, precision_failure, report, require_arguments,
                        sixteen_bit_error_bound, success, LOADS, watched_loads)
 
@@ -255,7 +256,9 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
         return
     if uses_dot and case.dtype == torch.float32 and not _device.INTERPRETED and error < 1e-2:
         raise Failure(f"relative error {error:.1e} in float32 ({case.describe()}): on NVIDIA GPUs tl.dot rounds "
-                      f"float32 operands to TF32 unless told `input_precision=\"ieee\"`.")
+                      f"float32 operands to TF32 unless told `input_precision=\"ieee\"`. If every float32 tl.dot "
+                      f"has it, a value held in 16 bits somewhere: the state, or a load or product converted to "
+                      f"float16 or bfloat16.")
     _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, error=error, tol=tol, leak=leak,
                         row_block=row_block)
 
@@ -320,10 +323,12 @@ def _refusal(where, error_or_message, culprits="") -> str:
     """A GPU compiler's refusal in plain words, with the fix when it is about tl.dot's sizes
     (``culprits``: which blocks are the too-short inner dimensions, when the caller knows)."""
     message = error_or_message if isinstance(error_or_message, str) else launch_error(error_or_message)
+    # On a GPU the launch raises the error nested in others: its cause may be in any of them.
+    full = message if isinstance(error_or_message, str) else error_chain_text(error_or_message)
     hint = (" The inner dimension K of a tl.dot (the columns of its first block, the rows of its second) must "
             f"be at least 16 for these operands{culprits}; M and N may be smaller. Pad such blocks to 16 and "
-            "mask the loads." if ">= 16" in message else "")
-    if "Loop-carried variable" in message:
+            "mask the loads." if ">= 16" in full else "")
+    if "Loop-carried variable" in full:
         hint = (" A value carried from one iteration of a loop to the next must keep its dtype and shape, which "
                 "the interpreter does not enforce: start it as the block it becomes, such as a float32 state "
                 "`tl.zeros((rows, columns), dtype=tl.float32)`.")
