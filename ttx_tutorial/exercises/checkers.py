@@ -219,8 +219,9 @@ def _sixteen_bit_hint(case, error) -> str:
 
 def _wrong_values_hint(case, error, passed) -> str:
     """What a wrong value's size, or the cases passed before it, say about where to look."""
-    if _sixteen_bit_hint(case, error):
-        return _sixteen_bit_hint(case, error)
+    hint = _sixteen_bit_hint(case, error)
+    if hint:
+        return hint
     sizes = case.sizes
     if "D" in sizes and "E" in sizes and sizes["D"] != sizes["E"] and any(
             c.sizes.get("D") == c.sizes.get("E") and c.dtype == case.dtype and not c.any_transposed for c in passed):
