@@ -116,6 +116,10 @@ EXERCISES = {
         ("one_product_in_float32", [("                mask=mask_td, other=0.0)\n    k", "                mask=mask_td, other=0.0).to(tl.float32)\n    k"),
                                     ("                mask=mask_td, other=0.0)\n    v", "                mask=mask_td, other=0.0).to(tl.float32)\n    v")],
          "1 of the kernel's 2 tl.dot products take float32 operands"),
+        # right in the interpreter (T <= 16 keeps the sums short), but not the float32 sums tensor cores give
+        ("scores_summed_in_16_bits", [('scores = tl.dot(q, tl.trans(k), input_precision="ieee")',
+                                       'scores = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=q.dtype)')],
+         "1 of the kernel's 2 tl.dot products sum in fp16"),
         ("sequence_offset_left_out", [("q_ptr + seq * stride_qh + ", "q_ptr + "), ("k_ptr + seq * stride_kh + ", "k_ptr + "),
                                       ("v_ptr + seq * stride_vh + ", "v_ptr + ")], "the first sequence's result"),
     ]),

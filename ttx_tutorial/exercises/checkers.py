@@ -348,6 +348,12 @@ def _float32_products(ttir: str) -> tuple[int, int]:
     return sum("xf32> *" in line for line in dots), len(dots)
 
 
+def _sixteen_bit_sums(ttir: str) -> int:
+    """How many ``tt.dot`` of the kernel's Triton IR return (so accumulate in) float16 or bfloat16."""
+    return sum(bool(re.search(r"-> tensor<[0-9x]*x(f16|bf16)>", line))
+               for line in ttir.splitlines() if "tt.dot" in line and " * " in line)
+
+
 def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None, *,
                      tensor_cores=False):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
@@ -383,6 +389,12 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                                   f"blocks as they are loaded (no `.to(tl.float32)` before it), padded to at "
                                   f"least 16, which is what tensor cores take.")
                 wide, total = _float32_products(result.asm.get("ttir", ""))
+                narrow = _sixteen_bit_sums(result.asm.get("ttir", ""))
+                if ptx_type and narrow:
+                    raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {narrow} of the kernel's "
+                                  f"{total} tl.dot products sum in {dtype_name(dtype)} (`out_dtype=` a 16-bit "
+                                  f"type): a tl.dot on 16-bit blocks must still accumulate in float32, its "
+                                  f"default; leave out `out_dtype` and convert the result afterwards if needed.")
                 if tensor_cores and ptx_type and wide:
                     raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {wide} of the kernel's "
                                   f"{total} tl.dot products take float32 operands, so they do not run as "
