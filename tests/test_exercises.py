@@ -122,6 +122,12 @@ EXERCISES = {
          "1 of the kernel's 2 tl.dot products sum in fp16"),
         ("sequence_offset_left_out", [("q_ptr + seq * stride_qh + ", "q_ptr + "), ("k_ptr + seq * stride_kh + ", "k_ptr + "),
                                       ("v_ptr + seq * stride_vh + ", "v_ptr + ")], "the first sequence's result"),
+        ("sequence_offset_left_out_of_v", [("v_ptr + seq * stride_vh + ", "v_ptr + ")], "every program read v of the first sequence"),
+        ("sequence_offset_on_q_only", [("k_ptr + seq * stride_kh + ", "k_ptr + "), ("v_ptr + seq * stride_vh + ", "v_ptr + ")],
+         "every program read k and v of the first sequence"),
+        ("k_loaded_from_q", [("k = tl.load(k_ptr + seq * stride_kh + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd",
+                              "k = tl.load(q_ptr + seq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd")],
+         "k was loaded from q"),
     ]),
     "chunked": ("ex4_chunked_kernel", lambda ns: exercises.check_chunked(ns["chunked_kernel"]), [
         ("diagonal_masked_out", [("causal = offs_c[:, None] >= offs_c[None, :]", "causal = offs_c[:, None] > offs_c[None, :]")],

@@ -9,6 +9,7 @@ diagnosis in plain words (see ``_harness``). It prints one line and returns a ``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import torch
 import triton
@@ -178,6 +179,17 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             raise Failure(f"every sequence got the first sequence's result ({case.describe()}): each program "
                           f"must add its own offset (its program id times the sequence stride) to the pointers "
                           f"it loads from.")
+        # Some loads add the offset and others do not: name the inputs every program read from sequence 0.
+        names = list(inputs64)
+        for size in range(1, len(names)):
+            for first_only in itertools.combinations(names, size):
+                mixed = spec(**{name: tensor[:1].expand_as(tensor) if name in first_only else tensor
+                                for name, tensor in inputs64.items()})
+                if relative_error(mixed, right) > 2 * tol and relative_error(out, mixed) <= 2 * tol:
+                    which = " and ".join(first_only)
+                    raise Failure(f"every program read {which} of the first sequence ({case.describe()}): the "
+                                  f"load{'s' if size > 1 else ''} of {which} must add the program's offset too "
+                                  f"(its program id times that tensor's sequence stride), as the other loads do.")
     for variant, message in variants:
         wrong = variant(**inputs64)  # None where the variant has no meaning for this case's shapes
         # A variant that equals the spec on this case (one token ahead of a one-token sequence)
@@ -279,6 +291,12 @@ def _causal_variants(own_token="o_t must include k_t v_tᵀ, so update the state
          "the next token leaks in: o_t may use tokens up to t only (off by one in the causal mask)"),
         (lambda q, k, v: causal_product64(q, k, v, mask="none"),
          "every token sees the whole sequence: the causal mask is missing"),
+        (lambda q, k, v: causal_product64(q, q, v),
+         "o_t sums (q_t . q_s) v_s: k was loaded from q; k's load must use `k_ptr` and the `stride_k...` "
+         "arguments"),
+        (lambda q, k, v: causal_product64(k, k, v),
+         "o_t sums (k_t . k_s) v_s: q was loaded from k; q's load must use `q_ptr` and the `stride_q...` "
+         "arguments"),
     ]
 
 
