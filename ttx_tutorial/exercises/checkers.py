@@ -428,6 +428,75 @@ FEATURE_MAP_ARGS = ["x_ptr", "out_ptr", "T", "D", "stride_xt", "stride_xd", "str
 FEATURE_MAP_BLOCK_T = 16
 
 
+def _feature_map_addressing(x_in, out, allocation, case) -> str | None:
+    """The usual addressing mistake that gives exactly the output allocation the kernel left
+    (strides swapped in the load or the store, a program's rows starting at its id), else None:
+    each is replayed on the checker's buffers, program after program."""
+    T, D, block = case.sizes["T"], case.sizes["D"], FEATURE_MAP_BLOCK_T
+    source = torch.as_strided(x_in, (x_in.untyped_storage().nbytes() // x_in.element_size(),), (1,), 0)
+    source, got = source.double().cpu(), allocation.double().cpu()
+    (xt, xd), (ot, od) = x_in.stride(), out.stride()
+    mistakes = [(((xd, xt), (ot, od), block), "x is read with its two strides swapped: element (t, d) of x is at "
+                                              "`t * stride_xt + d * stride_xd`"),
+                (((xt, xd), (od, ot), block), "out is written with its two strides swapped: element (t, d) of out "
+                                              "is at `t * stride_ot + d * stride_od`"),
+                (((xt, xd), (ot, od), 1), f"the programs' rows overlap: each starts at its program id, so later rows "
+                                          f"are never written; a program's first row is its program id times "
+                                          f"BLOCK_T (`pid * BLOCK_T`, here {block})")]
+    d = torch.arange(next_power_of_2(D))
+    for ((load_t, load_d), (store_t, store_d), step), message in mistakes:
+        replayed = torch.full_like(got, UNWRITTEN)
+        for pid in range(triton.cdiv(T, block)):
+            t = pid * step + torch.arange(block)
+            mask = (t[:, None] < T) & (d[None, :] < D)
+            src = (x_in.storage_offset() + t[:, None] * load_t + d[None, :] * load_d)[mask]
+            dst = (out.storage_offset() + t[:, None] * store_t + d[None, :] * store_d)[mask]
+            if src.numel() and (src.min() < 0 or src.max() >= source.numel() or dst.min() < 0
+                                or dst.max() >= replayed.numel()):
+                break
+            replayed[dst] = feature_map64(source[src]).to(case.dtype).double()
+        else:
+            if torch.allclose(replayed, got, rtol=2 * TOLERANCES[case.dtype], atol=1e-6, equal_nan=True):
+                return message
+    return None
+
+
+def _feature_map_formula(x, out, ref, case) -> str | None:
+    """Which part of elu(x) + 1 a wrong output gets wrong, when it is one formula's mistake."""
+    x64, got = x.double().cpu(), out.double().cpu()
+    tol = TOLERANCES[case.dtype]
+
+    def matches(values):
+        return bool(torch.isclose(got, values.to(case.dtype).double(), rtol=2 * tol, atol=1e-6).all())
+
+    positive = x64 > 0
+    right = torch.isclose(got, ref, rtol=2 * tol, atol=1e-6)
+    if matches(torch.exp(x64)) or matches(x64 + 1):
+        formula = "exp(x)" if matches(torch.exp(x64)) else "x + 1"
+        return (f"every element got {formula}, whatever its sign: is there a `tl.where`? A Python `if`/`else` on a "
+                f"block does not choose lane by lane (the interpreter takes any block as true, a GPU compiler "
+                f"refuses it): `tl.where(x > 0, x + 1.0, tl.exp(x))`")
+    if matches(x64):
+        return "the output is x itself: store φ, not the loaded block"
+    if matches(torch.where(positive, torch.exp(x64), x64 + 1)):
+        return ("the two formulas are swapped: `tl.where(condition, a, b)` takes a where the condition holds, so "
+                "`tl.where(x > 0, x + 1.0, tl.exp(x))`")
+    if right[positive].all() and not right[~positive].all():
+        return "right where x > 0, wrong where x <= 0: there elu(x) = exp(x) - 1, so φ(x) = exp(x)"
+    if right[~positive].all() and not right[positive].all():
+        return "right where x <= 0, wrong where x > 0: there elu(x) = x, so φ(x) = x + 1"
+    if case.dtype == torch.float32:
+        for dtype in (torch.float16, torch.bfloat16):
+            for rounded, where in ((ref.to(dtype).double(), "the result was rounded to {} before the store: "
+                                    "convert it to the output's dtype, `.to(out_ptr.dtype.element_ty)`, not to a "
+                                    "fixed 16-bit type"),
+                                   (feature_map64(x64.to(dtype).double()), "x was rounded to {} before φ: compute "
+                                    "in float32 (`.to(tl.float32)`)")):
+                if relative_error(got, rounded) < relative_error(rounded, ref) / 4:
+                    return "float32 inputs, but " + where.format(dtype_name(dtype))
+    return None
+
+
 def check_feature_map(kernel) -> CheckResult:
     """Exercise 1: ``out = elu(x) + 1`` for x (T, D), one program per block of BLOCK_T rows."""
     exercise = EXERCISE_NAMES["check_feature_map"]
@@ -444,10 +513,19 @@ def check_feature_map(kernel) -> CheckResult:
         kernel[grid](x_in, out, T, D, *_stride_args(x_in, out),
                      BLOCK_T=FEATURE_MAP_BLOCK_T, BLOCK_D=next_power_of_2(D))
         ref = feature_map64(x.double().cpu())
-        error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
-                             block=FEATURE_MAP_BLOCK_T, passed=passed)
+        try:
+            error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
+                                 block=FEATURE_MAP_BLOCK_T, passed=passed)
+        except Failure:
+            mistake = _feature_map_addressing(x_in, out, allocation, case)
+            if mistake:
+                raise Failure(f"{mistake} ({case.describe()}).") from None
+            raise
         if error <= TOLERANCES[case.dtype]:
             return
+        mistake = _feature_map_addressing(x_in, out, allocation, case) or _feature_map_formula(x, out, ref, case)
+        if mistake:
+            raise Failure(f"{mistake} ({case.describe()}).")
         if case.any_transposed and any(not c.any_transposed for c in passed):
             raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): use the "
                           f"stride arguments (stride_xt, stride_xd, ...) for every address.")
