@@ -84,6 +84,9 @@ EXERCISES = {
          "does not choose lane by lane"),
         ("loaded_block_stored", [("phi.to(out_ptr.dtype.element_ty), mask=mask)", "x.to(out_ptr.dtype.element_ty), mask=mask)")],
          "the output is x itself"),
+        ("row_mask_stops_one_row_early", [("mask = (offs_t[:, None] < T)", "mask = (offs_t[:, None] < T - 1)")],
+         "That is the last row: does the loop over the rows (or the mask on them) cover every one"),
+        ("block_of_runtime_size", [("offs_d = tl.arange(0, BLOCK_D)", "offs_d = tl.arange(0, D)")], "take it from a BLOCK_ argument"),
         ("stored_as_float16", [("phi.to(out_ptr.dtype.element_ty)", "phi.to(tl.float16)")], "rounded to fp16 before the store"),
         # off by ten times float32's tolerance only: the checker's tolerance is the dtype's, not a looser one
         ("slightly_off", [("phi = tl.where(x > 0, x + 1.0, tl.exp(x))", "phi = tl.where(x > 0, x + 1.0, tl.exp(x)) * 1.0001")],

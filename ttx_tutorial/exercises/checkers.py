@@ -120,6 +120,10 @@ def _raised_hint(error) -> str:
     if "object has no attribute 'fn'" in raised:
         return (" A function that a kernel calls, such as the combine function of `tl.associative_scan`, must "
                 "itself be a `@triton.jit` function (a plain `def` or a lambda is not).")
+    if "arange's arguments must be of type tl.constexpr" in raised:
+        return (" A block's size must be known when the kernel compiles: take it from a BLOCK_ argument (a "
+                "tl.constexpr power of two), not from a size such as T or D, and mask the lanes past the size "
+                "(`offs < n`).")
     if "incompatible dimensions" in raised:
         return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
                 "built for another dimension (check which mask goes with which load and store).")
