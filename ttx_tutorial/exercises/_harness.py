@@ -392,7 +392,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         elif block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
-        elif block is None and missing and (missing[0] == 0 or missing[-1] == out.shape[row_dim] - 1) \
+        elif missing and (missing[0] == 0 or missing[-1] == out.shape[row_dim] - 1) \
                 and missing == list(range(missing[0], missing[-1] + 1)):
             end = "first" if missing[0] == 0 else "last"
             which = (f"That is the {end} {row_name.rstrip('s')}" if len(missing) == 1 else

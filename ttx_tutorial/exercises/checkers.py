@@ -9,6 +9,7 @@ diagnosis in plain words (see ``_harness``). It prints one line and returns a ``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import torch
 import triton
@@ -119,6 +120,10 @@ def _raised_hint(error) -> str:
     if "object has no attribute 'fn'" in raised:
         return (" A function that a kernel calls, such as the combine function of `tl.associative_scan`, must "
                 "itself be a `@triton.jit` function (a plain `def` or a lambda is not).")
+    if "arange's arguments must be of type tl.constexpr" in raised:
+        return (" A block's size must be known when the kernel compiles: take it from a BLOCK_ argument (a "
+                "tl.constexpr power of two), not from a size such as T or D, and mask the lanes past the size "
+                "(`offs < n`).")
     if "incompatible dimensions" in raised:
         return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
                 "built for another dimension (check which mask goes with which load and store).")
@@ -178,6 +183,17 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             raise Failure(f"every sequence got the first sequence's result ({case.describe()}): each program "
                           f"must add its own offset (its program id times the sequence stride) to the pointers "
                           f"it loads from.")
+        # Some loads add the offset and others do not: name the inputs every program read from sequence 0.
+        names = list(inputs64)
+        for size in range(1, len(names)):
+            for first_only in itertools.combinations(names, size):
+                mixed = spec(**{name: tensor[:1].expand_as(tensor) if name in first_only else tensor
+                                for name, tensor in inputs64.items()})
+                if relative_error(mixed, right) > 2 * tol and relative_error(out, mixed) <= 2 * tol:
+                    which = " and ".join(first_only)
+                    raise Failure(f"every program read {which} of the first sequence ({case.describe()}): the "
+                                  f"load{'s' if size > 1 else ''} of {which} must add the program's offset too "
+                                  f"(its program id times that tensor's sequence stride), as the other loads do.")
     for variant, message in variants:
         wrong = variant(**inputs64)  # None where the variant has no meaning for this case's shapes
         # A variant that equals the spec on this case (one token ahead of a one-token sequence)
@@ -279,6 +295,12 @@ def _causal_variants(own_token="o_t must include k_t v_tᵀ, so update the state
          "the next token leaks in: o_t may use tokens up to t only (off by one in the causal mask)"),
         (lambda q, k, v: causal_product64(q, k, v, mask="none"),
          "every token sees the whole sequence: the causal mask is missing"),
+        (lambda q, k, v: causal_product64(q, q, v),
+         "o_t sums (q_t . q_s) v_s: k was loaded from q; k's load must use `k_ptr` and the `stride_k...` "
+         "arguments"),
+        (lambda q, k, v: causal_product64(k, k, v),
+         "o_t sums (k_t . k_s) v_s: q was loaded from k; q's load must use `q_ptr` and the `stride_q...` "
+         "arguments"),
     ]
 
 
@@ -348,6 +370,12 @@ def _float32_products(ttir: str) -> tuple[int, int]:
     return sum("xf32> *" in line for line in dots), len(dots)
 
 
+def _sixteen_bit_sums(ttir: str) -> int:
+    """How many ``tt.dot`` of the kernel's Triton IR return (so accumulate in) float16 or bfloat16."""
+    return sum(bool(re.search(r"-> tensor<[0-9x]*x(f16|bf16)>", line))
+               for line in ttir.splitlines() if "tt.dot" in line and " * " in line)
+
+
 def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_dimensions=None, *,
                      tensor_cores=False):
     """Compile for sm_80 and sm_90 with each set of constexprs and pointer dtype; the first
@@ -383,6 +411,12 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                                   f"blocks as they are loaded (no `.to(tl.float32)` before it), padded to at "
                                   f"least 16, which is what tensor cores take.")
                 wide, total = _float32_products(result.asm.get("ttir", ""))
+                narrow = _sixteen_bit_sums(result.asm.get("ttir", ""))
+                if ptx_type and narrow:
+                    raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {narrow} of the kernel's "
+                                  f"{total} tl.dot products sum in {dtype_name(dtype)} (`out_dtype=` a 16-bit "
+                                  f"type): a tl.dot on 16-bit blocks must still accumulate in float32, its "
+                                  f"default; leave out `out_dtype` and convert the result afterwards if needed.")
                 if tensor_cores and ptx_type and wide:
                     raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {wide} of the kernel's "
                                   f"{total} tl.dot products take float32 operands, so they do not run as "
@@ -396,6 +430,75 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
 FEATURE_MAP_ARGS = ["x_ptr", "out_ptr", "T", "D", "stride_xt", "stride_xd", "stride_ot", "stride_od",
                     "BLOCK_T", "BLOCK_D"]
 FEATURE_MAP_BLOCK_T = 16
+
+
+def _feature_map_addressing(x_in, out, allocation, case) -> str | None:
+    """The usual addressing mistake that gives exactly the output allocation the kernel left
+    (strides swapped in the load or the store, a program's rows starting at its id), else None:
+    each is replayed on the checker's buffers, program after program."""
+    T, D, block = case.sizes["T"], case.sizes["D"], FEATURE_MAP_BLOCK_T
+    source = torch.as_strided(x_in, (x_in.untyped_storage().nbytes() // x_in.element_size(),), (1,), 0)
+    source, got = source.double().cpu(), allocation.double().cpu()
+    (xt, xd), (ot, od) = x_in.stride(), out.stride()
+    mistakes = [(((xd, xt), (ot, od), block), "x is read with its two strides swapped: element (t, d) of x is at "
+                                              "`t * stride_xt + d * stride_xd`"),
+                (((xt, xd), (od, ot), block), "out is written with its two strides swapped: element (t, d) of out "
+                                              "is at `t * stride_ot + d * stride_od`"),
+                (((xt, xd), (ot, od), 1), f"the programs' rows overlap: each starts at its program id, so later rows "
+                                          f"are never written; a program's first row is its program id times "
+                                          f"BLOCK_T (`pid * BLOCK_T`, here {block})")]
+    d = torch.arange(next_power_of_2(D))
+    for ((load_t, load_d), (store_t, store_d), step), message in mistakes:
+        replayed = torch.full_like(got, UNWRITTEN)
+        for pid in range(triton.cdiv(T, block)):
+            t = pid * step + torch.arange(block)
+            mask = (t[:, None] < T) & (d[None, :] < D)
+            src = (x_in.storage_offset() + t[:, None] * load_t + d[None, :] * load_d)[mask]
+            dst = (out.storage_offset() + t[:, None] * store_t + d[None, :] * store_d)[mask]
+            if src.numel() and (src.min() < 0 or src.max() >= source.numel() or dst.min() < 0
+                                or dst.max() >= replayed.numel()):
+                break
+            replayed[dst] = feature_map64(source[src]).to(case.dtype).double()
+        else:
+            if torch.allclose(replayed, got, rtol=2 * TOLERANCES[case.dtype], atol=1e-6, equal_nan=True):
+                return message
+    return None
+
+
+def _feature_map_formula(x, out, ref, case) -> str | None:
+    """Which part of elu(x) + 1 a wrong output gets wrong, when it is one formula's mistake."""
+    x64, got = x.double().cpu(), out.double().cpu()
+    tol = TOLERANCES[case.dtype]
+
+    def matches(values):
+        return bool(torch.isclose(got, values.to(case.dtype).double(), rtol=2 * tol, atol=1e-6).all())
+
+    positive = x64 > 0
+    right = torch.isclose(got, ref, rtol=2 * tol, atol=1e-6)
+    if matches(torch.exp(x64)) or matches(x64 + 1):
+        formula = "exp(x)" if matches(torch.exp(x64)) else "x + 1"
+        return (f"every element got {formula}, whatever its sign: is there a `tl.where`? A Python `if`/`else` on a "
+                f"block does not choose lane by lane (the interpreter takes any block as true, a GPU compiler "
+                f"refuses it): `tl.where(x > 0, x + 1.0, tl.exp(x))`")
+    if matches(x64):
+        return "the output is x itself: store φ, not the loaded block"
+    if matches(torch.where(positive, torch.exp(x64), x64 + 1)):
+        return ("the two formulas are swapped: `tl.where(condition, a, b)` takes a where the condition holds, so "
+                "`tl.where(x > 0, x + 1.0, tl.exp(x))`")
+    if right[positive].all() and not right[~positive].all():
+        return "right where x > 0, wrong where x <= 0: there elu(x) = exp(x) - 1, so φ(x) = exp(x)"
+    if right[~positive].all() and not right[positive].all():
+        return "right where x <= 0, wrong where x > 0: there elu(x) = x, so φ(x) = x + 1"
+    if case.dtype == torch.float32:
+        for dtype in (torch.float16, torch.bfloat16):
+            for rounded, where in ((ref.to(dtype).double(), "the result was rounded to {} before the store: "
+                                    "convert it to the output's dtype, `.to(out_ptr.dtype.element_ty)`, not to a "
+                                    "fixed 16-bit type"),
+                                   (feature_map64(x64.to(dtype).double()), "x was rounded to {} before φ: compute "
+                                    "in float32 (`.to(tl.float32)`)")):
+                if relative_error(got, rounded) < relative_error(rounded, ref) / 4:
+                    return "float32 inputs, but " + where.format(dtype_name(dtype))
+    return None
 
 
 def check_feature_map(kernel) -> CheckResult:
@@ -414,10 +517,19 @@ def check_feature_map(kernel) -> CheckResult:
         kernel[grid](x_in, out, T, D, *_stride_args(x_in, out),
                      BLOCK_T=FEATURE_MAP_BLOCK_T, BLOCK_D=next_power_of_2(D))
         ref = feature_map64(x.double().cpu())
-        error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
-                             block=FEATURE_MAP_BLOCK_T, passed=passed)
+        try:
+            error = check_output(out.unsqueeze(0), allocation, ref.unsqueeze(0), case, row_dim=1, row_name="rows",
+                                 block=FEATURE_MAP_BLOCK_T, passed=passed)
+        except Failure:
+            mistake = _feature_map_addressing(x_in, out, allocation, case)
+            if mistake:
+                raise Failure(f"{mistake} ({case.describe()}).") from None
+            raise
         if error <= TOLERANCES[case.dtype]:
             return
+        mistake = _feature_map_addressing(x_in, out, allocation, case) or _feature_map_formula(x, out, ref, case)
+        if mistake:
+            raise Failure(f"{mistake} ({case.describe()}).")
         if case.any_transposed and any(not c.any_transposed for c in passed):
             raise Failure(f"contiguous tensors pass but transposed ones do not ({case.describe()}): use the "
                           f"stride arguments (stride_xt, stride_xd, ...) for every address.")
