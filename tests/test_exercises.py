@@ -136,7 +136,8 @@ EXERCISES = {
         # right in the interpreter (T <= 16 keeps the sums short), but not the float32 sums tensor cores give
         ("scores_summed_in_16_bits", [('scores = tl.dot(q, tl.trans(k), input_precision="ieee")',
                                        'scores = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=q.dtype)')],
-         "1 of the kernel's 2 tl.dot products sum in fp16"),
+         # A GPU's Triton 3.6 refuses out_dtype=bfloat16 at compile; the float16 case is read from the IR.
+         "must still accumulate in float32, its default"),
         ("sequence_offset_left_out", [("q_ptr + seq * stride_qh + ", "q_ptr + "), ("k_ptr + seq * stride_kh + ", "k_ptr + "),
                                       ("v_ptr + seq * stride_vh + ", "v_ptr + ")], "the first sequence's result"),
         ("sequence_offset_left_out_of_v", [("v_ptr + seq * stride_vh + ", "v_ptr + ")], "every program read v of the first sequence"),
@@ -296,6 +297,21 @@ def test_a_compiler_error_raised_at_launch_is_named_by_its_own_message():
         assert str(error).startswith("at 2:4:")
         assert "Loop-carried variable state" in launch_error(error)
         assert "must keep its dtype and shape" in checkers._refusal("(a case)", error)
+
+
+def test_gpu_only_refusals_get_their_hints():
+    """Two refusals only a GPU run raises, each with the hint its wrong attempt's test expects there:
+    a Python if/else on a block fails the GPU compiler's IR check, whose diagnostic goes to stderr
+    and leaves only "error encountered during parsing" in the error (Triton 3.6), and
+    `out_dtype=tl.bfloat16` is refused at compile by Triton 3.6, where 3.9 compiles it."""
+    from ttx_tutorial.exercises import checkers
+
+    parsing = RuntimeError("error encountered during parsing")
+    assert "does not choose lane by lane" in checkers._raised_hint(parsing)
+    refused = ValueError("out_dtype=bfloat16 is unsupported. Please use out_dtype=float32/float16 and cast with "
+                         "`.to(tl.bfloat16)`")
+    assert "must still accumulate in float32, its default" in checkers._refusal("(a case)", refused)
+    assert checkers._raised_hint(RuntimeError("something else")) == ""
 
 
 #: Mistakes that only the interpreter's watched loads reveal (on a GPU, reads past an edge may fault

@@ -127,6 +127,12 @@ def _raised_hint(error) -> str:
     if "incompatible dimensions" in raised:
         return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
                 "built for another dimension (check which mask goes with which load and store).")
+    if "error encountered during parsing" in raised:
+        # The GPU compiler's own diagnostic goes to stderr, not into the error: name the usual cause.
+        return (" The GPU compiler could not build the kernel; its diagnostic, printed above, names the line. "
+                "A common cause is a Python `if`/`else` (or `and`, `or`, `not`) on a block: it does not choose "
+                "lane by lane (the interpreter takes any block as true, a GPU compiler refuses it); use "
+                "`tl.where(condition, a, b)` and `&`, `|`, `~`.")
     return ""
 
 
@@ -351,6 +357,9 @@ def _refusal(where, error_or_message, culprits="") -> str:
     hint = (" The inner dimension K of a tl.dot (the columns of its first block, the rows of its second) must "
             f"be at least 16 for these operands{culprits}; M and N may be smaller. Pad such blocks to 16 and "
             "mask the loads." if ">= 16" in full else "")
+    if "out_dtype=" in full and "unsupported" in full:
+        hint = (" A tl.dot on 16-bit blocks must still accumulate in float32, its default: leave out `out_dtype` "
+                "(float16 would sum in 16 bits too) and convert the result afterwards if needed.")
     if "Loop-carried variable" in full:
         hint = (" A value carried from one iteration of a loop to the next must keep its dtype and shape, which "
                 "the interpreter does not enforce: start it as the block it becomes, such as a float32 state "
