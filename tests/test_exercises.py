@@ -87,6 +87,13 @@ EXERCISES = {
         ("row_mask_stops_one_row_early", [("mask = (offs_t[:, None] < T)", "mask = (offs_t[:, None] < T - 1)")],
          "That is the last row: does the loop over the rows (or the mask on them) cover every one"),
         ("block_of_runtime_size", [("offs_d = tl.arange(0, BLOCK_D)", "offs_d = tl.arange(0, D)")], "take it from a BLOCK_ argument"),
+        ("column_mask_stops_one_column_early", [("(offs_d[None, :] < D)", "(offs_d[None, :] < D - 1)")],
+         "column 15 of every row still holds the checker's poison. That is the last column"),
+        # runs only where BLOCK_D = BLOCK_T (D = 16): each program writes the diagonal of its tile
+        ("offsets_in_one_dimension", [("mask = (offs_t[:, None] < T) & (offs_d[None, :] < D)", "mask = (offs_t < T) & (offs_d < D)"),
+                                      ("offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd", "offs_t * stride_xt + offs_d * stride_xd"),
+                                      ("offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od", "offs_t * stride_ot + offs_d * stride_od")],
+         "on a diagonal: the offsets are 1-D"),
         ("stored_as_float16", [("phi.to(out_ptr.dtype.element_ty)", "phi.to(tl.float16)")], "rounded to fp16 before the store"),
         # off by ten times float32's tolerance only: the checker's tolerance is the dtype's, not a looser one
         ("slightly_off", [("phi = tl.where(x > 0, x + 1.0, tl.exp(x))", "phi = tl.where(x > 0, x + 1.0, tl.exp(x)) * 1.0001")],
@@ -114,6 +121,8 @@ EXERCISES = {
                                        "state = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float16)")], "GPU compiler refuses"),
         ("loop_stops_one_token_early", [("    for t in range(T):\n        k = tl.load", "    for t in range(T - 1):\n        k = tl.load")],
          "That is the last token: does the loop over the tokens"),
+        ("value_mask_stops_one_column_early", [("mask_e = offs_e < E", "mask_e = offs_e < E - 1")],
+         "of every token still holds the checker's poison. That is the last column"),
         ("loop_one_token_too_many", [("    for t in range(T):\n        k = tl.load", "    for t in range(T + 1):\n        k = tl.load")],
          "run one step too many"),
     ]),

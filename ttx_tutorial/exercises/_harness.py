@@ -380,6 +380,23 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         raise Failure(f"part of the output was never written ({case.describe()}): "
                       f"{_unwritten_slices(unwritten, dim_names)} the checker's poison. Does every "
                       f"program add its own offset (its program id times the stride) to the addresses?")
+    if unwritten.any() and row_dim < out.dim() - 1:
+        # The same columns (the last dimension) unwritten in every row: the rows were all reached, the
+        # columns were not.
+        per_row = unwritten.reshape(-1, out.shape[-1])
+        columns = per_row.all(dim=0)
+        if columns.any() and torch.equal(per_row, columns.expand_as(per_row)):
+            indices = columns.nonzero().flatten().tolist()
+            shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
+            name, verb = ("column", "still holds") if len(indices) == 1 else ("columns", "still hold")
+            hint = ""
+            if indices == list(range(indices[0], out.shape[-1])):
+                which = ("That is the last column" if len(indices) == 1 else
+                         f"Those are the last {len(indices)} columns")
+                hint = (f" {which}: does the mask on the columns switch on every one (`offs < n` for n columns, "
+                        f"not `offs < n - 1`)?")
+            raise Failure(f"part of the output was never written ({case.describe()}): {name} {shown} of every "
+                          f"{row_name.rstrip('s')} {verb} the checker's poison.{hint}")
     if unwritten.any():
         rows = unwritten.movedim(row_dim, 0).reshape(out.shape[row_dim], -1).any(dim=1)
         missing = rows.nonzero().flatten().tolist()
@@ -393,7 +410,7 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
         elif missing and (missing[0] == 0 or missing[-1] == out.shape[row_dim] - 1) \
-                and missing == list(range(missing[0], missing[-1] + 1)):
+                and missing == list(range(missing[0], missing[-1] + 1)) and len(missing) < out.shape[row_dim]:
             end = "first" if missing[0] == 0 else "last"
             which = (f"That is the {end} {row_name.rstrip('s')}" if len(missing) == 1 else
                      f"Those are the {end} {len(missing)} {row_name}")

@@ -443,27 +443,36 @@ FEATURE_MAP_BLOCK_T = 16
 
 def _feature_map_addressing(x_in, out, allocation, case) -> str | None:
     """The usual addressing mistake that gives exactly the output allocation the kernel left
-    (strides swapped in the load or the store, a program's rows starting at its id), else None:
-    each is replayed on the checker's buffers, program after program."""
+    (strides swapped in the load or the store, a program's rows starting at its id, 1-D offsets
+    where a tile needs 2-D ones), else None: each is replayed on the checker's buffers, program
+    after program."""
     T, D, block = case.sizes["T"], case.sizes["D"], FEATURE_MAP_BLOCK_T
     source = torch.as_strided(x_in, (x_in.untyped_storage().nbytes() // x_in.element_size(),), (1,), 0)
     source, got = source.double().cpu(), allocation.double().cpu()
     (xt, xd), (ot, od) = x_in.stride(), out.stride()
-    mistakes = [(((xd, xt), (ot, od), block), "x is read with its two strides swapped: element (t, d) of x is at "
-                                              "`t * stride_xt + d * stride_xd`"),
-                (((xt, xd), (od, ot), block), "out is written with its two strides swapped: element (t, d) of out "
-                                              "is at `t * stride_ot + d * stride_od`"),
-                (((xt, xd), (ot, od), 1), f"the programs' rows overlap: each starts at its program id, so later rows "
-                                          f"are never written; a program's first row is its program id times "
-                                          f"BLOCK_T (`pid * BLOCK_T`, here {block})")]
-    d = torch.arange(next_power_of_2(D))
-    for ((load_t, load_d), (store_t, store_d), step), message in mistakes:
+    # (load strides, store strides, a program's first row per program id, 2-D offsets), message
+    mistakes = [(((xd, xt), (ot, od), block, True), "x is read with its two strides swapped: element (t, d) of x is "
+                                                    "at `t * stride_xt + d * stride_xd`"),
+                (((xt, xd), (od, ot), block, True), "out is written with its two strides swapped: element (t, d) of "
+                                                    "out is at `t * stride_ot + d * stride_od`"),
+                (((xt, xd), (ot, od), 1, True), f"the programs' rows overlap: each starts at its program id, so later "
+                                                f"rows are never written; a program's first row is its program id "
+                                                f"times BLOCK_T (`pid * BLOCK_T`, here {block})")]
+    if next_power_of_2(D) == block:  # 1-D offsets of rows and columns only run when both blocks are as long
+        mistakes.append((((xt, xd), (ot, od), block, False),
+                         "only one element of each row was written, on a diagonal: the offsets are 1-D, so lane i "
+                         "of the rows meets lane i of the columns alone. A tile needs 2-D offsets, rows down and "
+                         "columns across (`offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd`), and a mask "
+                         "built the same way"))
+    for ((load_t, load_d), (store_t, store_d), step, tile), message in mistakes:
         replayed = torch.full_like(got, UNWRITTEN)
         for pid in range(triton.cdiv(T, block)):
-            t = pid * step + torch.arange(block)
-            mask = (t[:, None] < T) & (d[None, :] < D)
-            src = (x_in.storage_offset() + t[:, None] * load_t + d[None, :] * load_d)[mask]
-            dst = (out.storage_offset() + t[:, None] * store_t + d[None, :] * store_d)[mask]
+            t, d = pid * step + torch.arange(block), torch.arange(next_power_of_2(D))
+            if tile:
+                t, d = t[:, None], d[None, :]
+            mask = (t < T) & (d < D)
+            src = (x_in.storage_offset() + t * load_t + d * load_d)[mask]
+            dst = (out.storage_offset() + t * store_t + d * store_d)[mask]
             if src.numel() and (src.min() < 0 or src.max() >= source.numel() or dst.min() < 0
                                 or dst.max() >= replayed.numel()):
                 break
