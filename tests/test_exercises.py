@@ -331,6 +331,9 @@ WATCHED_LOAD_ATTEMPTS = [
      "without `other=`"),
     ("small_dot", "masks_on_tokens_only", [("mask_td = (offs_t[:, None] < T) & (offs_d[None, :] < D)",
                                             "mask_td = offs_t[:, None] < T")], "k_ptr: 8 past its last element"),
+    ("small_dot", "token_masks_with_le", [("mask_td = (offs_t[:, None] < T)", "mask_td = (offs_t[:, None] <= T)"),
+                                           ("mask_te = (offs_t[:, None] < T)", "mask_te = (offs_t[:, None] <= T)")],
+     "a mask written `<=` where it needs `<`"),
     ("scan", "load_unmasked", [(", mask=mask, other=0.0)", ")")], "edge of an input (states_ptr: 300 past its last"),
     ("scan", "previous_segment_loaded_at_segment_0", [("+ offs_s[:, None] * stride_ss + offs_e", "+ (offs_s[:, None] - 1) * stride_ss + offs_e"),
                                                       ("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")],
@@ -350,7 +353,7 @@ WATCHED_LOAD_ATTEMPTS = [
 ]
 
 #: Attempts whose mistake only the interpreter shows (its watched loads, its bfloat16 arithmetic).
-INTERPRETER_ONLY = ("loads_without_other", "masks_on_tokens_only", "load_unmasked", "previous_segment_loaded_at_segment_0",
+INTERPRETER_ONLY = ("loads_without_other", "masks_on_tokens_only", "token_masks_with_le", "load_unmasked", "previous_segment_loaded_at_segment_0",
                     "bfloat16_arithmetic", "bfloat16_loads", "combine_function_not_jitted")
 
 

@@ -318,6 +318,9 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
     ``dim_names``: a name for each dimension of ``out``, to say which slices were never written;
     ``passed``: the cases already passed."""
     n_outside = outside_writes(allocation, out)
+    widths = {name: tensor.shape[-1] for name, _, tensor in LOADS.inputs if tensor.dim()}
+    one_row_past = bool(LOADS.overruns) and all(side == "past its last" and count == widths.get(name)
+                                                for (name, side), count in LOADS.overruns.items())
     overruns = LOADS.take_overruns()
     read_outside, undefined = LOADS.take()
     tail = (block is not None and out.shape[row_dim] % block != 0)
@@ -350,6 +353,9 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         where = f" ({overruns})" if overruns else ""
         below = (" An offset that can go below zero (such as `offs - 1`) needs its lower bound in the mask too "
                  "(`offs >= 1`)." if "before its first" in overruns else "")
+        if one_row_past:
+            below = (" Each overran by one row's width: a row too many (a mask written `<=` where it needs `<`) or "
+                     "the columns past the last one (no mask on the columns).")
         raise Failure(f"loads read {read_outside} element(s) past the edge of an input{where} ({case.describe()}): "
                       f"the checker surrounds inputs with NaN and saw it loaded, even if the output does not use it "
                       f"(on a GPU such a read can fault). Every load needs a mask on each dimension its block can "
