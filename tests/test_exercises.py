@@ -102,7 +102,7 @@ EXERCISES = {
     "recurrent": ("ex2_recurrent_kernel", lambda ns: exercises.check_recurrent(ns["recurrent_kernel"]), [
         ("output_before_update", [("state += k[:, None] * v[None, :]\n        o = tl.sum(state * q[:, None], axis=0)",
                                    "o = tl.sum(state * q[:, None], axis=0)\n        state += k[:, None] * v[None, :]")],
-         "own contribution is missing"),
+         "own contribution is missing: o_t must include k_t v_tᵀ: add it to the state first"),
         ("state_in_16_bits", STORE_16_BIT, "16 bits"),
         ("k_read_with_q_strides", [("k_ptr + t * stride_kt + offs_d * stride_kd", "k_ptr + t * stride_qt + offs_d * stride_qd")],
          "transposed ones do not"),
@@ -133,7 +133,7 @@ EXERCISES = {
         ("loads_without_masks", [(",\n                mask=mask_td, other=0.0)", ")"),
                                  (",\n                mask=mask_te, other=0.0)", ")")], "NaN"),
         ("diagonal_masked_out", [("offs_t[:, None] >= offs_t[None, :], scores", "offs_t[:, None] > offs_t[None, :], scores")],
-         "own contribution is missing"),
+         "own contribution is missing: o_t must include k_t v_tᵀ: keep the diagonal of the causal mask"),
         ("float32_products_on_small_blocks", [("                mask=mask_td, other=0.0)\n    k", "                mask=mask_td, other=0.0).to(tl.float32)\n    k"),
                                               ("                mask=mask_td, other=0.0)\n    v", "                mask=mask_td, other=0.0).to(tl.float32)\n    v"),
                                               ("                mask=mask_te, other=0.0)\n", "                mask=mask_te, other=0.0).to(tl.float32)\n"),

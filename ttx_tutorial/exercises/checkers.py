@@ -292,8 +292,8 @@ def _qkv(case):
     return {"q": q[0], "k": k[0], "v": v[0]}
 
 
-def _causal_variants(own_token="o_t must include k_t v_tᵀ, so update the state before reading it (or keep the "
-                                "diagonal: s <= t)"):
+def _causal_variants(own_token="o_t must include k_t v_tᵀ: add it to the state first, then compute o_t from the "
+                                "state"):
     return [
         (lambda q, k, v: causal_product64(q, k, v, mask="strict"),
          f"each token's own contribution is missing: {own_token}"),
@@ -644,7 +644,8 @@ def check_small_dot(kernel, block_sizes) -> CheckResult:
     cases = [c for c in _sequence_cases(short_T=8, tail_T=5, long_T=16, small_D=4, small_E=12)
              if bf16_ok or c.dtype != torch.bfloat16]
     cases[0] = Case({"BH": 2, "T": 8, "D": 8, "E": 8})
-    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(), row_block=None,
+    own_token = "o_t must include k_t v_tᵀ: keep the diagonal of the causal mask (`>=`, s <= t)"
+    options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token), row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
                    launch=_launch_per_sequence(kernel, blocks), uses_dot=True)
 
