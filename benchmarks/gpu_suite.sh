@@ -59,7 +59,7 @@ for step in "${steps[@]}"; do
     tests)
       shard=${TESTS_SHARD:-1/1} log="$RESULTS/tests.log"
       [ "$shard" = 1/1 ] || log="$RESULTS/tests-${shard%/*}-of-${shard#*/}.log"
-      mapfile -t files < <(ls tests/test_*.py | grep -v -E "test_(compile_targets|packaging|limits_at_size|fuzz)\.py" \
+      mapfile -t files < <(LC_ALL=C ls tests/test_*.py | grep -v -E "test_(compile_targets|packaging|limits_at_size|fuzz)\.py" \
         | awk -v i="${shard%/*}" -v n="${shard#*/}" '(NR - i) % n == 0')
       TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest "${files[@]}" -v -n "$workers" \
         --dist loadfile -p no:cacheprovider -o addopts="-ra --durations=15" > "$log" 2>&1
