@@ -157,6 +157,8 @@ EXERCISES = {
          "k was loaded from q"),
     ]),
     "chunked": ("ex4_chunked_kernel", lambda ns: exercises.check_chunked(ns["chunked_kernel"]), [
+        ("scores_not_cast_for_the_product", [("o = tl.dot(scores.to(v.dtype), v,", "o = tl.dot(scores, v,")],
+         "tl.dot takes two blocks of one dtype"),
         ("diagonal_masked_out", [("causal = offs_c[:, None] >= offs_c[None, :]", "causal = offs_c[:, None] > offs_c[None, :]")],
          "own contribution is missing"),
         ("state_updated_before_use",

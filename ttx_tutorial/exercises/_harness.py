@@ -367,7 +367,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         raise Failure(f"part of the output holds inf ({case.describe()}), the checker's mark for unwritten "
                       f"elements, though the float32 cases passed: most likely Triton's interpreter, which gets "
                       f"arithmetic on bfloat16 values wrong (a GPU does not). Convert bfloat16 loads with "
-                      f"`.to(tl.float32)` before any arithmetic, as the float32 path does.")
+                      f"`.to(tl.float32)` before any arithmetic (float32 loads need none, which is why those "
+                      f"cases passed).")
     # The checker marks unwritten elements with +inf; beside -inf, or (under the interpreter, which
     # watched the loads) NaN that no load explains, the +inf were computed too.
     computed_infinities = bool((out == -UNWRITTEN).any()) or (

@@ -127,6 +127,9 @@ def _raised_hint(error) -> str:
     if "incompatible dimensions" in raised:
         return (" Two blocks of different shapes met in one operation: a mask, an offset or a value "
                 "built for another dimension (check which mask goes with which load and store).")
+    if "Both operands must be same dtype" in raised:
+        return (" tl.dot takes two blocks of one dtype: a float32 result (scores, a state) meeting a block as "
+                "loaded needs `.to(other.dtype)` first, such as `tl.dot(scores.to(v.dtype), v)`.")
     if "error encountered during parsing" in raised:
         # The GPU compiler's own diagnostic goes to stderr, not into the error: name the usual cause.
         return (" The GPU compiler could not build the kernel; its diagnostic, printed above, names the line. "
