@@ -112,8 +112,9 @@ def _layout_first(case, passed, failure) -> str:
 
 
 def _raised_hint(error) -> str:
-    """What a student can do about an error Triton raised (in the interpreter or the GPU compiler)."""
-    raised = str(error) + " " + launch_error(error)
+    """What a student can do about an error Triton raised (in the interpreter or the GPU compiler),
+    looked for in every error of the chain, as ``_refusal`` does."""
+    raised = error_chain_text(error)
     if "Expected dtype ['fp32', 'fp64']" in raised:
         return (" tl.exp and the other math functions take float32 or float64: convert the loaded "
                 "block with `.to(tl.float32)` first.")
