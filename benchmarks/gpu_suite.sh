@@ -10,7 +10,8 @@
 #              its end, without the next two steps' files and test_packaging.py (it builds fresh
 #              environments: CI's); TESTS_SHARD=i/n runs every n-th file from the i-th (by name)
 #              into tests-i-of-n.log, for runs whose calls are shorter than the suite (480 s on
-#              an H200 machine's 13 workers did not finish it)
+#              an H200 machine's 13 workers did not finish it); tests, not files, go to the
+#              workers, since whole files (test_recurrent.py, test_precision.py) set the pace
 #   size       tests/test_limits_at_size.py with TTX_SIZE_TESTS=1 on 3 workers (4 GiB tensors;
 #              about a minute on an H200), printing the errors they measure
 #   fuzz       tests/test_fuzz.py with hypothesis' statistics (TTX_HYPOTHESIS_EXAMPLES examples,
@@ -62,7 +63,7 @@ for step in "${steps[@]}"; do
       mapfile -t files < <(LC_ALL=C ls tests/test_*.py | grep -v -E "test_(compile_targets|packaging|limits_at_size|fuzz)\.py" \
         | awk -v i="${shard%/*}" -v n="${shard#*/}" '(NR - i) % n == 0')
       TTX_HYPOTHESIS_EXAMPLES=${TTX_HYPOTHESIS_EXAMPLES:-10} python3 -m pytest "${files[@]}" -v -n "$workers" \
-        --dist loadfile -p no:cacheprovider -o addopts="-ra --durations=15" > "$log" 2>&1
+        --dist load -p no:cacheprovider -o addopts="-ra --durations=15" > "$log" 2>&1
       status=$((status | $?))
       grep -E "^(FAILED|ERROR) " "$log" | head -30; tail -1 "$log" ;;
     size)

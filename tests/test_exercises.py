@@ -325,6 +325,40 @@ def test_gpu_only_refusals_get_their_hints():
     assert checkers._raised_hint(RuntimeError("something else")) == ""
 
 
+def test_swapped_store_strides_are_named_whichever_program_wrote_last():
+    """Out's strides swapped make the two programs of a (32, 16) case store to some of the same
+    elements. The interpreter runs the programs in order, a GPU in none: on an H100 the diagnosis,
+    replayed in the interpreter's order, did not match. Here the stores are made last program
+    first, as a GPU may leave them; the replay must accept either writer's value, and still
+    refuse a value nobody stored or an overwritten poison."""
+    import math
+
+    import torch
+
+    from ttx_tutorial.exercises import checkers
+    from ttx_tutorial.exercises._harness import Case
+
+    case = Case({"T": 32, "D": 16})
+    x_in = checkers.guarded_copy(torch.randn(32, 16), transposed=False, name="x_ptr")
+    out, allocation = checkers._guarded_output((32, 16), torch.float32, False)
+    source = torch.as_strided(x_in, (x_in.untyped_storage().nbytes() // 4,), (1,), 0)
+    written = torch.as_strided(out, (out.untyped_storage().nbytes() // 4,), (1,), 0)
+    (xt, xd), (ot, od) = x_in.stride(), out.stride()
+    for pid in (1, 0):
+        t, d = (pid * 16 + torch.arange(16))[:, None], torch.arange(16)[None, :]
+        written[(out.storage_offset() + t * od + d * ot).flatten()] = checkers.feature_map64(
+            source[(x_in.storage_offset() + t * xt + d * xd).flatten()].double()).float()
+    assert "out is written with its two strides swapped" in checkers._feature_map_addressing(
+        x_in, out, allocation, case)
+
+    stores = [(torch.tensor([0, 1, 2]), torch.tensor([10.0, 11.0, 12.0])),
+              (torch.tensor([2, 3]), torch.tensor([22.0, 23.0]))]
+    for shared in (12.0, 22.0):
+        assert checkers._replay_matches(stores, torch.tensor([10.0, 11.0, shared, 23.0, math.inf]), 1e-6)
+    assert not checkers._replay_matches(stores, torch.tensor([10.0, 11.0, 17.0, 23.0, math.inf]), 1e-6)
+    assert not checkers._replay_matches(stores, torch.tensor([10.0, 11.0, 12.0, 23.0, 0.0]), 1e-6)
+
+
 #: Mistakes that only the interpreter's watched loads reveal (on a GPU, reads past an edge may fault
 #: or pass, and switched-off lanes may hold zeros): (exercise, attempt, replacements, words).
 WATCHED_LOAD_ATTEMPTS = [

@@ -469,7 +469,9 @@ def _feature_map_addressing(x_in, out, allocation, case) -> str | None:
                          "columns across (`offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd`), and a mask "
                          "built the same way"))
     for ((load_t, load_d), (store_t, store_d), step, tile), message in mistakes:
-        replayed = torch.full_like(got, UNWRITTEN)
+        # Every store the mistake makes, as (element, value). Where several lanes or programs
+        # store to one element, a GPU runs them in no fixed order: any of their values may stay.
+        stores = []
         for pid in range(triton.cdiv(T, block)):
             t, d = pid * step + torch.arange(block), torch.arange(next_power_of_2(D))
             if tile:
@@ -478,13 +480,26 @@ def _feature_map_addressing(x_in, out, allocation, case) -> str | None:
             src = (x_in.storage_offset() + t * load_t + d * load_d)[mask]
             dst = (out.storage_offset() + t * store_t + d * store_d)[mask]
             if src.numel() and (src.min() < 0 or src.max() >= source.numel() or dst.min() < 0
-                                or dst.max() >= replayed.numel()):
+                                or dst.max() >= got.numel()):
                 break
-            replayed[dst] = feature_map64(source[src]).to(case.dtype).double()
+            stores.append((dst, feature_map64(source[src]).to(case.dtype).double()))
         else:
-            if torch.allclose(replayed, got, rtol=2 * TOLERANCES[case.dtype], atol=1e-6, equal_nan=True):
+            if _replay_matches(stores, got, TOLERANCES[case.dtype]):
                 return message
     return None
+
+
+def _replay_matches(stores, got, tolerance) -> bool:
+    """Whether an allocation ``got`` is what the replayed ``stores`` (element indices and values,
+    in any order) leave: every stored element holds one of the values stored there, every other
+    one still holds the poison."""
+    elements = torch.cat([dst for dst, _ in stores]) if stores else torch.zeros(0, dtype=torch.long)
+    values = torch.cat([value for _, value in stores]) if stores else torch.zeros(0, dtype=got.dtype)
+    close = torch.isclose(values, got[elements], rtol=2 * tolerance, atol=1e-6, equal_nan=True)
+    matched = torch.zeros(got.numel(), dtype=torch.long).index_add_(0, elements, close.long())
+    stored = torch.zeros(got.numel(), dtype=torch.bool)
+    stored[elements] = True
+    return bool((matched[stored] > 0).all() and (got[~stored] == UNWRITTEN).all())
 
 
 def _feature_map_formula(x, out, ref, case) -> str | None:
