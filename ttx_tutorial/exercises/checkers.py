@@ -111,6 +111,14 @@ def _layout_first(case, passed, failure) -> str:
     return str(failure)
 
 
+#: Why a Python ``if``/``else`` on a block is wrong, for the hints that meet it.
+_PYTHON_IF_ON_A_BLOCK = ("A Python `if`/`else` on a block does not choose lane by lane (the interpreter takes any "
+                         "block as true, a GPU compiler refuses it)")
+#: What to do about a tl.dot that sums in 16 bits (``out_dtype=``), refused at compile or read from the IR.
+_SIXTEEN_BIT_SUM_FIX = ("A tl.dot on 16-bit blocks must still accumulate in float32, its default: leave out "
+                        "`out_dtype` and convert the result afterwards if needed")
+
+
 def _raised_hint(error) -> str:
     """What a student can do about an error Triton raised (in the interpreter or the GPU compiler),
     looked for in every error of the chain, as ``_refusal`` does."""
@@ -134,8 +142,7 @@ def _raised_hint(error) -> str:
     if "error encountered during parsing" in raised:
         # The GPU compiler's own diagnostic goes to stderr, not into the error: name the usual cause.
         return (" The GPU compiler could not build the kernel; its diagnostic, printed above, names the line. "
-                "A common cause is a Python `if`/`else` (or `and`, `or`, `not`) on a block: it does not choose "
-                "lane by lane (the interpreter takes any block as true, a GPU compiler refuses it); use "
+                f"The usual cause: {_PYTHON_IF_ON_A_BLOCK}, and the same for `and`, `or`, `not`; use "
                 "`tl.where(condition, a, b)` and `&`, `|`, `~`.")
     return ""
 
@@ -362,8 +369,7 @@ def _refusal(where, error_or_message, culprits="") -> str:
             f"be at least 16 for these operands{culprits}; M and N may be smaller. Pad such blocks to 16 and "
             "mask the loads." if ">= 16" in full else "")
     if "out_dtype=" in full and "unsupported" in full:
-        hint = (" A tl.dot on 16-bit blocks must still accumulate in float32, its default: leave out `out_dtype` "
-                "(float16 would sum in 16 bits too) and convert the result afterwards if needed.")
+        hint = f" {_SIXTEEN_BIT_SUM_FIX}. `out_dtype=tl.float16` would sum in 16 bits too."
     if "Loop-carried variable" in full:
         hint = (" A value carried from one iteration of a loop to the next must keep its dtype and shape, which "
                 "the interpreter does not enforce: start it as the block it becomes, such as a float32 state "
@@ -428,8 +434,7 @@ def _compile_failure(kernel, arg_names, constexpr_sets, pointer_dtypes, inner_di
                 if ptx_type and narrow:
                     raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {narrow} of the kernel's "
                                   f"{total} tl.dot products sum in {dtype_name(dtype)} (`out_dtype=` a 16-bit "
-                                  f"type): a tl.dot on 16-bit blocks must still accumulate in float32, its "
-                                  f"default; leave out `out_dtype` and convert the result afterwards if needed.")
+                                  f"type). {_SIXTEEN_BIT_SUM_FIX}.")
                 if tensor_cores and ptx_type and wide:
                     raise Failure(f"compiled for {target} with {dtype_name(dtype)} inputs, {wide} of the kernel's "
                                   f"{total} tl.dot products take float32 operands, so they do not run as "
@@ -514,9 +519,8 @@ def _feature_map_formula(x, out, ref, case) -> str | None:
     right = torch.isclose(got, ref, rtol=2 * tol, atol=1e-6)
     if matches(torch.exp(x64)) or matches(x64 + 1):
         formula = "exp(x)" if matches(torch.exp(x64)) else "x + 1"
-        return (f"every element got {formula}, whatever its sign: is there a `tl.where`? A Python `if`/`else` on a "
-                f"block does not choose lane by lane (the interpreter takes any block as true, a GPU compiler "
-                f"refuses it): `tl.where(x > 0, x + 1.0, tl.exp(x))`")
+        return (f"every element got {formula}, whatever its sign: is there a `tl.where`? "
+                f"{_PYTHON_IF_ON_A_BLOCK}: `tl.where(x > 0, x + 1.0, tl.exp(x))`")
     if matches(x64):
         return "the output is x itself: store φ, not the loaded block"
     if matches(torch.where(positive, torch.exp(x64), x64 + 1)):
