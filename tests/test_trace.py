@@ -165,6 +165,27 @@ def test_draw_returns_a_figure_with_one_panel_per_tensor_and_kind():
     plt.close("all")
 
 
+def test_the_legend_names_only_the_kinds_of_cell_the_picture_shows():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def legend(recording):
+        return [text.get_text() for text in trace.draw(recording).legends[0].get_texts()]
+
+    x = torch.randn(10)
+    masked = legend(trace.record(_masked_copy_kernel, (3,), x, torch.empty_like(x), 10, BLOCK=4))
+    assert masked[:3] == ["program 0", "program 1", "program 2"]
+    assert masked[3].startswith("masked off") and "colour" in masked[3]
+    assert not {"not touched", "outside the tensor", "several programs"} & set(masked)
+    buffer = torch.zeros(16)
+    unmasked = legend(trace.record(_unmasked_copy_kernel, (3,), buffer[:10], torch.zeros(16)[:10], BLOCK=4))
+    assert "outside the tensor" in unmasked and not any(label.startswith("masked off") for label in unmasked)
+    untouched = legend(trace.record(_masked_copy_kernel, (1,), x, torch.empty_like(x), 10, BLOCK=4))
+    assert "not touched" in untouched
+    plt.close("all")
+
+
 _GPU_MODE_SCRIPT = """
 import torch, triton, triton.language as tl
 import ttx_tutorial

@@ -501,8 +501,9 @@ def record(kernel, grid, *args, max_lanes: int = MAX_LANES, **kwargs) -> Recordi
 def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     """One panel per tensor and kind (loads, stores), each element coloured by the program that
     touched it and numbered with that program's place in launch order. Hatched cells were
-    computed by a program but masked off; red-edged cells lie outside the tensor and were
-    touched anyway; black cells were touched by several programs.
+    computed by a program but masked off, and are hatched in that program's colour; red-edged
+    cells lie outside the tensor and were touched anyway; black cells were touched by several
+    programs. The legend lists only the kinds of cell the picture shows.
 
     Args:
         recording: from :func:`record`.
@@ -562,7 +563,8 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
     figure, axes = plt.subplots(len(layouts), 1, squeeze=False, layout="constrained",
                                 gridspec_kw={"height_ratios": heights},
                                 figsize=(min(14.0, 2.5 + 0.42 * widest), 0.8 + sum(0.42 * h + 0.45 for h in heights)))
-    shared = False
+    # The legend names only what some panel shows, so a reader does not look for red cells that are not there.
+    shared = hatched = untouched = outside = False
     for ax, (name, kind, info, owners, masked, low, high, width, first_row, shift, rows) in zip(axes[:, 0], layouts):
         every_offset = np.arange(low, high + 1)
         for offset, inside in zip(every_offset.tolist(), info.is_element(every_offset).tolist()):
@@ -571,6 +573,7 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
             if offset in owners:
                 who = owners[offset]
                 shared |= len(who) > 1
+                outside |= not inside
                 face = colour_of[next(iter(who))] if len(who) == 1 else "black"
                 ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor="white" if inside else "red",
                                        lw=1 if inside else 2.5))
@@ -578,9 +581,11 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
                     ax.text(x + 0.5, y + 0.5, str(recording.program_number(next(iter(who)))),
                             ha="center", va="center", fontsize=7, color="white")
             elif offset in masked:
+                hatched = True
                 ax.add_patch(Rectangle((x, y), 1, 1, facecolor="white", hatch="////",
                                        edgecolor=colour_of[next(iter(masked[offset]))], lw=0.5))
             elif inside:
+                untouched = True
                 ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.9", edgecolor="white", lw=1))
         ax.set(xlim=(-0.1, width + 0.1), ylim=(rows + 0.1, -0.1), xticks=[], yticks=[], aspect="equal")
         ax.spines[:].set_visible(False)
@@ -592,9 +597,13 @@ def draw(recording: Recording, tensors=None, *, columns=None, title=None):
         return f"program {label}" if str(number) == label else f"{number}: program {label}"
 
     handles = [Patch(facecolor=colour_of[p], label=legend_label(p)) for p in programs[:len(palette)]]
-    handles += [Patch(facecolor="white", hatch="////", edgecolor="0.3", label="masked off"),
-                Patch(facecolor="0.9", label="not touched"),
-                Patch(facecolor="white", edgecolor="red", lw=2.5, label="outside the tensor")]
+    if hatched:
+        handles.append(Patch(facecolor="white", hatch="////", edgecolor="0.3",
+                             label="masked off (hatched in\nthe program's colour)"))
+    if untouched:
+        handles.append(Patch(facecolor="0.9", label="not touched"))
+    if outside:
+        handles.append(Patch(facecolor="white", edgecolor="red", lw=2.5, label="outside the tensor"))
     if shared:
         handles.append(Patch(facecolor="black", label="several programs"))
     figure.legend(handles=handles, loc="outside right center", fontsize=8, frameon=False)
