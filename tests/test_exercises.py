@@ -218,6 +218,21 @@ EXERCISES = {
          "or along another axis than the segments"),
         ("program_ids_swapped", [("    seq = tl.program_id(0)\n    row = tl.program_id(1)\n",
                                   "    seq = tl.program_id(1)\n    row = tl.program_id(0)\n")], "wrong axis of the grid"),
+        # the store adds the program's row, the load does not: every row scans row 0
+        ("row_left_out_of_the_load", [("seq * stride_sh + row * stride_sd\n", "seq * stride_sh\n")],
+         "holds row 0's entering states"),
+        # the exact form of the hint, its mask off by one: row 1 loses segment 0, and so does every later sum
+        ("shifted_load_masked_from_row_2", [("+ offs_s[:, None] * stride_ss + offs_e[None, :] * stride_se, mask=mask,",
+                                             "+ (offs_s[:, None] - 1) * stride_ss + offs_e[None, :] * stride_se,\n"
+                                             "                    mask=mask & (offs_s[:, None] > 1),"),
+                                            ("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")],
+         "lack segment 0's state"),
+        # the inclusive sums stored one segment on: segment 0's entering state, zero, is never stored
+        ("stored_one_segment_on", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)"),
+                                   ("offs_s[:, None] * stride_os + offs_e[None, :] * stride_oe,\n             entering, mask=mask)",
+                                    "(offs_s[:, None] + 1) * stride_os + offs_e[None, :] * stride_oe,\n"
+                                    "             entering, mask=mask & (offs_s[:, None] + 1 < S))")],
+         "the state entering it is zero"),
     ]),
     "dq": ("ex6_backward_dq", lambda ns: exercises.check_dq(ns["dq_kernel"]), [
         ("output_before_update", [("state += v[:, None] * k[None, :]\n        dq = tl.sum(state * do[:, None], axis=0)",
