@@ -263,6 +263,18 @@ EXERCISES = {
         ("output_gradient_read_with_the_keys_strides", [("do_ptr + t * stride_dot + offs_e * stride_doe", "do_ptr + t * stride_kt + offs_e * stride_kd")],
          "The case with D = E passed"),
         ("loop_starts_one_token_late", [("    for t in range(T):\n", "    for t in range(1, T):\n")], "That is the first token"),
+        ("output_gradient_and_values_swapped", [("state += v[:, None] * k[None, :]", "state += do[:, None] * k[None, :]"),
+                                                ("dq = tl.sum(state * do[:, None], axis=0)", "dq = tl.sum(state * v[:, None], axis=0)")],
+         "do and v are swapped"),
+        # an E x E state: fails to run where D != E, after the first case (D = E) has diagnosed it
+        ("output_gradient_and_keys_swapped", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)",
+                                               "state = tl.zeros((BLOCK_E, BLOCK_E), dtype=tl.float32)"),
+                                              ("state += v[:, None] * k[None, :]", "state += v[:, None] * do[None, :]"),
+                                              ("dq = tl.sum(state * do[:, None], axis=0)", "dq = tl.sum(state * k[:, None], axis=0)")],
+         "do and k are swapped"),
+        ("output_gradient_across_the_state_s_columns", [("dq = tl.sum(state * do[:, None], axis=0)",
+                                                         "dq = tl.sum(state * do[None, :], axis=0)")],
+         "along its columns"),
     ]),
 }
 

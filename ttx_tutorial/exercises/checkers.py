@@ -80,6 +80,15 @@ def dq64(do, k, v, *, mask="causal"):
     return causal_product64(do, v, k, mask=mask)
 
 
+def _do_across_columns64(do, k, v):
+    """What a dQ kernel computes that multiplies its state P_t (E x D) by do_t along the columns
+    and sums down the rows: dq_t[d] = do_t[d] sum_e P_t[e, d], a (BH, T, D) result, comparable
+    with the right one where D = E (None otherwise); float64."""
+    if k.shape[-1] != v.shape[-1]:
+        return None
+    return do * torch.cumsum(v.sum(-1, keepdim=True) * k, dim=-2)
+
+
 def feature_map64(x):
     """phi(x) = elu(x) + 1, the positive feature map of "Transformers are RNNs"."""
     return torch.nn.functional.elu(x) + 1
@@ -845,7 +854,17 @@ def check_dq(kernel) -> CheckResult:
                  "(do_t . v_s) k_s, so the state pairs them the other way, v_s k_sᵀ (E x D)"),
                 (lambda do, k, v: state_rows_summed64(do, v, k),
                  "the state is summed over the wrong axis: P is E x D (a row per value dimension), and dq_t = sum "
-                 "over e of do_t[e] P[e, :], a sum down the rows (`axis=0` of `state * do[:, None]`)")]
+                 "over e of do_t[e] P[e, :], a sum down the rows (`axis=0` of `state * do[:, None]`)"),
+                (_do_across_columns64,
+                 "do_t multiplies the state along its columns (`state * do[None, :]`): P is E x D, and do_t has "
+                 "one entry per row e, so it runs down the rows, `state * do[:, None]`"),
+                # do, v and k in other roles of the causal product than (do, v, k)
+                (lambda do, k, v: causal_product64(v, do, k),
+                 "do and v are swapped: this sums (v_t . do_s) k_s. The state adds v_s k_sᵀ, and do_t reads it "
+                 "(dq_t = sum over s <= t of (do_t . v_s) k_s)"),
+                (lambda do, k, v: causal_product64(k, v, do) if k.shape[-1] == v.shape[-1] else None,
+                 "do and k are swapped: this sums (k_t . v_s) do_s. The state adds v_s k_sᵀ (E x D), from the "
+                 "tokens' k and v, and do_t reads it (dq_t = sum over s <= t of (do_t . v_s) k_s)")]
     options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
                    launch=launch, uses_dot=False)
