@@ -218,6 +218,21 @@ EXERCISES = {
          "or along another axis than the segments"),
         ("program_ids_swapped", [("    seq = tl.program_id(0)\n    row = tl.program_id(1)\n",
                                   "    seq = tl.program_id(1)\n    row = tl.program_id(0)\n")], "wrong axis of the grid"),
+        # the store adds the program's row, the load does not: every row scans row 0
+        ("row_left_out_of_the_load", [("seq * stride_sh + row * stride_sd\n", "seq * stride_sh\n")],
+         "holds row 0's entering states"),
+        # the exact form of the hint, its mask off by one: row 1 loses segment 0, and so does every later sum
+        ("shifted_load_masked_from_row_2", [("+ offs_s[:, None] * stride_ss + offs_e[None, :] * stride_se, mask=mask,",
+                                             "+ (offs_s[:, None] - 1) * stride_ss + offs_e[None, :] * stride_se,\n"
+                                             "                    mask=mask & (offs_s[:, None] > 1),"),
+                                            ("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)")],
+         "lack segment 0's state"),
+        # the inclusive sums stored one segment on: segment 0's entering state, zero, is never stored
+        ("stored_one_segment_on", [("tl.cumsum(block, axis=0) - block", "tl.cumsum(block, axis=0)"),
+                                   ("offs_s[:, None] * stride_os + offs_e[None, :] * stride_oe,\n             entering, mask=mask)",
+                                    "(offs_s[:, None] + 1) * stride_os + offs_e[None, :] * stride_oe,\n"
+                                    "             entering, mask=mask & (offs_s[:, None] + 1 < S))")],
+         "the state entering it is zero"),
     ]),
     "dq": ("ex6_backward_dq", lambda ns: exercises.check_dq(ns["dq_kernel"]), [
         ("output_before_update", [("state += v[:, None] * k[None, :]\n        dq = tl.sum(state * do[:, None], axis=0)",
@@ -248,6 +263,18 @@ EXERCISES = {
         ("output_gradient_read_with_the_keys_strides", [("do_ptr + t * stride_dot + offs_e * stride_doe", "do_ptr + t * stride_kt + offs_e * stride_kd")],
          "The case with D = E passed"),
         ("loop_starts_one_token_late", [("    for t in range(T):\n", "    for t in range(1, T):\n")], "That is the first token"),
+        ("output_gradient_and_values_swapped", [("state += v[:, None] * k[None, :]", "state += do[:, None] * k[None, :]"),
+                                                ("dq = tl.sum(state * do[:, None], axis=0)", "dq = tl.sum(state * v[:, None], axis=0)")],
+         "do and v are swapped"),
+        # an E x E state: fails to run where D != E, after the first case (D = E) has diagnosed it
+        ("output_gradient_and_keys_swapped", [("state = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)",
+                                               "state = tl.zeros((BLOCK_E, BLOCK_E), dtype=tl.float32)"),
+                                              ("state += v[:, None] * k[None, :]", "state += v[:, None] * do[None, :]"),
+                                              ("dq = tl.sum(state * do[:, None], axis=0)", "dq = tl.sum(state * k[:, None], axis=0)")],
+         "do and k are swapped"),
+        ("output_gradient_across_the_state_s_columns", [("dq = tl.sum(state * do[:, None], axis=0)",
+                                                         "dq = tl.sum(state * do[None, :], axis=0)")],
+         "along its columns"),
     ]),
 }
 

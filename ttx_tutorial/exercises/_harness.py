@@ -306,17 +306,17 @@ def _unwritten_slices(unwritten, dim_names):
             shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
             others = ", ".join(n for n in dim_names if n not in (name, None))
             where = f" (in every {others})" if others else ""
-            verb = "still holds" if len(indices) == 1 else "still hold"
-            return f"{name} {shown}{where}: every element of {'it' if len(indices) == 1 else 'them'} {verb}"
+            return f"{name} {shown}{where}: every element of {'it' if len(indices) == 1 else 'them'} still holds"
     return None
 
 
 def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="rows", block=None, dim_names=None,
-                 passed=()):
+                 passed=(), first_row_hint=None):
     """The diagnoses that need no knowledge of the exercise: stores outside the output, unwritten
     elements, NaN read from outside an input. Returns the relative error when none applies.
     ``dim_names``: a name for each dimension of ``out``, to say which slices were never written;
-    ``passed``: the cases already passed."""
+    ``passed``: the cases already passed; ``first_row_hint``: what to say, in the exercise's
+    terms, when the first row alone was never written."""
     n_outside = outside_writes(allocation, out)
     widths = {name: tensor.shape[-1] for name, _, tensor in LOADS.inputs if tensor.dim()}
     one_row_past = bool(LOADS.overruns) and all(side == "past its last" and count == widths.get(name)
@@ -416,6 +416,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         elif block is not None and missing and missing[0] >= out.shape[row_dim] // block * block:
             hint = (f" Those are the {row_name} of the last, partial block of {block}: it must be computed "
                     f"too, with masked loads and stores.")
+        elif missing == [0] and first_row_hint and out.shape[row_dim] > 1:
+            hint = first_row_hint
         elif missing and (missing[0] == 0 or missing[-1] == out.shape[row_dim] - 1) \
                 and missing == list(range(missing[0], missing[-1] + 1)) and len(missing) < out.shape[row_dim]:
             end = "first" if missing[0] == 0 else "last"

@@ -80,6 +80,15 @@ def dq64(do, k, v, *, mask="causal"):
     return causal_product64(do, v, k, mask=mask)
 
 
+def _do_across_columns64(do, k, v):
+    """What a dQ kernel computes that multiplies its state P_t (E x D) by do_t along the columns
+    and sums down the rows: dq_t[d] = do_t[d] sum_e P_t[e, d], a (BH, T, D) result, comparable
+    with the right one where D = E (None otherwise); float64."""
+    if k.shape[-1] != v.shape[-1]:
+        return None
+    return do * torch.cumsum(v.sum(-1, keepdim=True) * k, dim=-2)
+
+
 def feature_map64(x):
     """phi(x) = elu(x) + 1, the positive feature map of "Transformers are RNNs"."""
     return torch.nn.functional.elu(x) + 1
@@ -265,7 +274,8 @@ def _wrong_values_hint(case, error, passed) -> str:
 
 
 def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, variants, row_block,
-                         uses_dot, row_name="tokens", dim_names=("sequence", None, None), leak=FUTURE_LEAK):
+                         uses_dot, row_name="tokens", dim_names=("sequence", None, None), leak=FUTURE_LEAK,
+                         first_row_hint=None):
     inputs = make_inputs(case)
 
     def guarded_inputs(values):
@@ -282,7 +292,7 @@ def _check_sequence_case(case, passed, *, make_inputs, spec, out_shape, launch, 
     launch(guarded_inputs(inputs), out, case)
     ref = spec(**{name: t.double().cpu() for name, t in inputs.items()})
     error = check_output(out, allocation, ref, case, row_dim=1, row_name=row_name, block=row_block,
-                         dim_names=dim_names, passed=passed)
+                         dim_names=dim_names, passed=passed, first_row_hint=first_row_hint)
     tol = TOLERANCES[case.dtype]
     long_16bit = case.dtype != torch.float32 and out.shape[1] >= 256
     limit = min(tol, sixteen_bit_error_bound(ref, case.dtype)) if long_16bit else tol
@@ -757,7 +767,16 @@ def check_scan(kernel) -> CheckResult:
                  "each segment's own state is included (an inclusive scan): the state entering segment s is "
                  "the sum of segments 0..s-1 only; subtract the segment's own state, or shift by one"),
                 (lambda states: torch.cumsum(states, dim=3) - states,
-                 "the sums run along E, not along the segments: scan over axis 0 of the [BLOCK_S, BLOCK_E] block")]
+                 "the sums run along E, not along the segments: scan over axis 0 of the [BLOCK_S, BLOCK_E] block"),
+                # row 0 of every program's sequence: the load leaves out the program's row
+                (lambda states: exclusive_scan64(states[:, :, :1].expand_as(states)),
+                 "every row d of the output holds row 0's entering states: the load must add the program's row "
+                 "too (`row * stride_sd`), as the store adds it (`row * stride_od`)"),
+                # a shifted load masked from row 2 on (`offs_s > 1`): segment 0 never enters the sum
+                (lambda states: exclusive_scan64(states) - states[:, :1] * (torch.arange(states.shape[1]) >= 1)
+                 .to(states)[None, :, None, None],
+                 "the states entering segments 1, 2, ... all lack segment 0's state: every sum starts at segment 0. "
+                 "With a shifted load, row s holds segment s - 1 for every s >= 1 (`offs_s >= 1`, not `> 1`)")]
 
     def make_inputs(case):
         s = case.sizes
@@ -777,7 +796,11 @@ def check_scan(kernel) -> CheckResult:
     options = dict(make_inputs=make_inputs, spec=exclusive_scan64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["S"], c.sizes["D"], c.sizes["E"]),
                    launch=launch, uses_dot=False, row_name="segments", leak=leak,
-                   dim_names=("sequence", "segment", "row d", "column e"))
+                   # segments left unwritten are named by check_output's rows, with the first-row hint
+                   dim_names=("sequence", None, "row d", "column e"),
+                   first_row_hint=(" That is the first segment: the state entering it is zero, and it is an "
+                                   "output like the others, so store it too (a store shifted by one segment, or "
+                                   "a walk that starts at segment 1, leaves it out)."))
     cases = [Case({"BH": 2, "S": 8, "D": 4, "E": 16}), Case({"BH": 2, "S": 5, "D": 3, "E": 20}),
              Case({"BH": 1, "S": 1, "D": 2, "E": 8}),
              # the states and the output transposed in turn: out addressed with the states' strides fails
@@ -831,7 +854,17 @@ def check_dq(kernel) -> CheckResult:
                  "(do_t . v_s) k_s, so the state pairs them the other way, v_s k_sᵀ (E x D)"),
                 (lambda do, k, v: state_rows_summed64(do, v, k),
                  "the state is summed over the wrong axis: P is E x D (a row per value dimension), and dq_t = sum "
-                 "over e of do_t[e] P[e, :], a sum down the rows (`axis=0` of `state * do[:, None]`)")]
+                 "over e of do_t[e] P[e, :], a sum down the rows (`axis=0` of `state * do[:, None]`)"),
+                (_do_across_columns64,
+                 "do_t multiplies the state along its columns (`state * do[None, :]`): P is E x D, and do_t has "
+                 "one entry per row e, so it runs down the rows, `state * do[:, None]`"),
+                # do, v and k in other roles of the causal product than (do, v, k)
+                (lambda do, k, v: causal_product64(v, do, k),
+                 "do and v are swapped: this sums (v_t . do_s) k_s. The state adds v_s k_sᵀ, and do_t reads it "
+                 "(dq_t = sum over s <= t of (do_t . v_s) k_s)"),
+                (lambda do, k, v: causal_product64(k, v, do) if k.shape[-1] == v.shape[-1] else None,
+                 "do and k are swapped: this sums (k_t . v_s) do_s. The state adds v_s k_sᵀ (E x D), from the "
+                 "tokens' k and v, and do_t reads it (dq_t = sum over s <= t of (do_t . v_s) k_s)")]
     options = dict(make_inputs=make_inputs, spec=dq64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["D"]),
                    launch=launch, uses_dot=False)
