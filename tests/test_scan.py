@@ -218,7 +218,8 @@ def test_config_is_checked():
 def test_full_precision_float32_on_a_16_by_16_state_keeps_to_4_warps():
     """Triton 3.6 miscompiles 3xTF32 pass 3 on 8 warps with a 16 x 16 state (an out-of-bounds
     shared-memory read on an H200): the float32 rule gives 4 warps, and asking for 8 there is
-    refused under every split precision; wider tiles may take 8."""
+    refused under every split precision; tiles with a side of 32 or more (32 x 16 ran right on
+    8 warps) may take 8."""
     for D, E in ((8, 8), (16, 16), (8, 64), (64, 64), (128, 128)):
         assert scan.default_config(1, 2, 20, D, E, F32, 132)["num_warps"] == 4, (D, E)
     q, k, v = random_inputs(1, 1, 20, 8, 8, dtype=F32, seed=0)
@@ -228,6 +229,7 @@ def test_full_precision_float32_on_a_16_by_16_state_keeps_to_4_warps():
         with pytest.raises(ValueError, match="num_warps must be at most 4"):
             scan._resolved_config(1, 1, 20, 8, 8, F32, 132, (("num_warps", 8),), precision)
     assert scan._resolved_config(1, 1, 20, 8, 64, F32, 132, (("num_warps", 8),), "bf16x3")["num_warps"] == 8
+    assert scan._resolved_config(1, 1, 20, 32, 16, F32, 132, (("num_warps", 8),), "tf32x3")["num_warps"] == 8
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
