@@ -285,3 +285,26 @@ def test_rule_blocks_at_the_edges_of_its_branches(D, E, dtype, precision, expect
     power of two gives tiles that spill or chunks the backward cannot share."""
     config = scan.default_config(1, 8, 65536, D, E, dtype, 132, precision)
     assert (config["CHUNK"], config["BLOCK_E"], config["num_warps"]) == expected
+
+
+def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():
+    """The fused backward holds R, two score tiles and a chunk's dK and dV in registers: 16-bit
+    heads up to 64 wide (D and E) take it, wider ones and float32 the passes. Its chunks are the
+    forward's, at most 64 tokens for bfloat16 and 32 for float16, whose float32 intermediates
+    take twice the registers."""
+    assert scan.fused_backward_config(64, 64, BF16)["CHUNK"] == 64
+    assert scan.fused_backward_config(64, 64, F16)["CHUNK"] == 32
+    assert scan.fused_backward_config(64, 5, F16, {"CHUNK": 16})["CHUNK"] == 16
+    for D, E, dtype in ((65, 16, BF16), (16, 65, F16), (16, 16, F32)):
+        assert scan.fused_backward_config(D, E, dtype) is None, (D, E, dtype)
+
+
+def test_the_split_needs_outputs_of_split_min_elements_or_more():
+    """float32 calls take the bfloat16 split only where each output holds at least
+    SPLIT_MIN_ELEMENTS elements (heads * min(B * T * min(D, E), sequences * D * E)): exactly
+    1024 qualifies, 1023 does not."""
+    assert scan.SPLIT_MIN_ELEMENTS == 1024
+    q, v = torch.empty(1, 1, 32, 32), torch.empty(1, 1, 32, 32)
+    assert scan.split_is_accurate(q, v, 1)       # min(32 * 32, 32 * 32) = 1024
+    q, v = torch.empty(1, 1, 31, 33), torch.empty(1, 1, 31, 33)
+    assert not scan.split_is_accurate(q, v, 1)   # min(31 * 33, 33 * 33) = 1023
