@@ -358,6 +358,7 @@ BAD_CONFIGS = [
     ("scan", {"SEGMENT_LEN": 40}, ValueError, ["SEGMENT_LEN", "multiple of CHUNK"]),
     ("scan", {"CHUNK": 24}, ValueError, ["CHUNK", "power of two >= 16", "24"]),
     ("scan", {"num_warps": 0}, ValueError, ["num_warps", "power of two", "0"]),
+    ("scan", {"num_warps": 64}, ValueError, ["num_warps", "power of two from 1 to 32", "64"]),
     ("scan", {"num_stages": True}, TypeError, ["num_stages", "int", "True"]),
     ("recurrent", {"num_warps": 3}, ValueError, ["num_warps", "power of two", "3"]),
     ("recurrent", {"num_stages": 0}, ValueError, ["num_stages", "at least 1", "0"]),

@@ -5,7 +5,8 @@ the GPU's; each kernel file rounds the bit pattern itself under it.
 
 Checked where a kernel computes in float32 and rounds once, at the store: the recurrent walks,
 the generation step and the feature maps. (The chunked and scan kernels round bfloat16 tiles for
-their tensor-core products as well, so their outputs are not float64's rounding.) Each check
+their tensor-core products as well, so their outputs are not float64's rounding: scan's are
+checked on exact ties, and against its products' arithmetic written in PyTorch.) Each check
 compares with the float64 result rounded to nearest by PyTorch. float32 arithmetic moves a few
 results that lie near the middle between two bfloat16 values to the other one, so almost all
 elements, not all, must match, and every element must lie within one unit (plus float32's own
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ttx_tutorial
-from ttx_tutorial.kernels import feature_map, recurrent
+from ttx_tutorial.kernels import feature_map, recurrent, scan
 from ttx_tutorial.testing import random_inputs
 
 #: The share of elements that must equal float64's value rounded to nearest.
@@ -95,3 +96,50 @@ def test_feature_maps_and_their_gradients_round_to_nearest(name):
         if name == "elu":
             exact = torch.where(phi.double().cpu() < 1, grad.double().cpu() * phi.double().cpu(), exact)
         check_rounded_to_nearest(leaf.grad, exact, f"{name} {label}")
+
+
+def test_scan_rounds_bfloat16_ties_to_even():
+    """Outputs that lie exactly halfway between two bfloat16 values go to the even one, as a
+    GPU's conversion does; rounding ties up instead would pass the share above (ties are rare
+    in random data) and bias every tie the same way. With q = k = 1 and D = 1, o_1 = v_0 + v_1
+    is exact in float32: v_0 = +-1 and v_1 = +-(2j + 1) 2^-8 put o_1 halfway between
+    1 + j 2^-7 and 1 + (j + 1) 2^-7 (in magnitude) for j = 0..63."""
+    odd = (2 * torch.arange(64, dtype=torch.float64) + 1) * 2.0**-8
+    v = torch.stack([torch.ones(64, dtype=torch.float64), odd])  # (T, E) = (2, 64)
+    v = torch.stack([v, -v])[None].to(ttx_tutorial.DEVICE, torch.bfloat16)  # heads of either sign
+    q = torch.ones(1, 2, 2, 1, dtype=torch.bfloat16, device=ttx_tutorial.DEVICE)
+    o, _ = scan.scan_causal_product(q, q, v)
+    exact = v.double().cpu().cumsum(2)
+    assert (exact[:, :, 1] * 2**8 % 2 == 1).all()  # every o_1 is a tie
+    assert torch.equal(o.cpu(), exact.to(torch.bfloat16))
+
+
+def scan_bfloat16_forward_as_a_gpu_computes_it(q, k, v, initial_state, chunk):
+    """scan's pass 3 on one segment in PyTorch, in the GPU's arithmetic: per chunk of ``chunk``
+    tokens, float32 products of bfloat16 operands, O_c = Q_c bf16(S) + bf16(tril(Q_c K_c^T)) V_c,
+    S <- S + K_c^T V_c in float32, O_c rounded to bfloat16 at the store."""
+    q, k, v = (x.float().cpu() for x in (q, k, v))
+    state = initial_state.float().cpu().clone()
+    outputs = []
+    for start in range(0, q.shape[2], chunk):
+        part = slice(start, start + chunk)
+        qc, kc, vc = q[:, :, part], k[:, :, part], v[:, :, part]
+        scores = (qc @ kc.transpose(-1, -2)).tril()
+        o = qc @ state.to(torch.bfloat16).float() + scores.to(torch.bfloat16).float() @ vc
+        state = state + kc.transpose(-1, -2) @ vc
+        outputs.append(o.to(torch.bfloat16))
+    return torch.cat(outputs, dim=2)
+
+
+def test_scan_bfloat16_products_take_the_state_and_scores_rounded_as_on_a_gpu():
+    """On a GPU a bfloat16 product takes bfloat16 operands, so pass 3 rounds the float32 state
+    and scores to bfloat16 first; under the interpreter, whose products take float32, the kernel
+    rounds them by hand. Left unrounded, CPU mode would compute more accurately than a GPU and
+    its tests would pass results the GPU does not reach. The outputs must be those of the GPU's
+    arithmetic written in PyTorch (float32 sums in another order move a few near ties) and
+    not those of float32 operands, which differ in many last bits."""
+    q, k, v, s0 = random_inputs(2, 2, 48, 16, 24, dtype=torch.bfloat16, initial_state=True)
+    o, _ = scan.scan_causal_product(q, k, v, s0, config={"CHUNK": 16, "SEGMENT_LEN": 64})  # one segment
+    expected = scan_bfloat16_forward_as_a_gpu_computes_it(q, k, v, s0, 16)
+    share = (o.cpu() == expected).double().mean().item()
+    assert share >= 0.99, f"{share:.1%} of the outputs equal the GPU arithmetic's"

@@ -218,7 +218,8 @@ def test_config_is_checked():
 def test_full_precision_float32_on_a_16_by_16_state_keeps_to_4_warps():
     """Triton 3.6 miscompiles 3xTF32 pass 3 on 8 warps with a 16 x 16 state (an out-of-bounds
     shared-memory read on an H200): the float32 rule gives 4 warps, and asking for 8 there is
-    refused under every split precision; wider tiles may take 8."""
+    refused under every split precision; tiles with a side of 32 or more (32 x 16 ran right on
+    8 warps) may take 8."""
     for D, E in ((8, 8), (16, 16), (8, 64), (64, 64), (128, 128)):
         assert scan.default_config(1, 2, 20, D, E, F32, 132)["num_warps"] == 4, (D, E)
     q, k, v = random_inputs(1, 1, 20, 8, 8, dtype=F32, seed=0)
@@ -228,6 +229,7 @@ def test_full_precision_float32_on_a_16_by_16_state_keeps_to_4_warps():
         with pytest.raises(ValueError, match="num_warps must be at most 4"):
             scan._resolved_config(1, 1, 20, 8, 8, F32, 132, (("num_warps", 8),), precision)
     assert scan._resolved_config(1, 1, 20, 8, 64, F32, 132, (("num_warps", 8),), "bf16x3")["num_warps"] == 8
+    assert scan._resolved_config(1, 1, 20, 32, 16, F32, 132, (("num_warps", 8),), "tf32x3")["num_warps"] == 8
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -237,3 +239,72 @@ def test_tuning_candidates_are_valid_configs(dtype):
             q = torch.empty(1, 8, 65536, head_dim, dtype=dtype)
             resolved = scan._resolve_config(q, q, candidate)
             assert resolved["SEGMENT_LEN"] % resolved["CHUNK"] == 0
+
+
+def test_the_last_element_of_a_head_may_sit_at_the_last_32_bit_offset_and_no_further():
+    """Offsets inside one head are int32: a head whose last element sits at 2**31 - 1 is taken,
+    one whose last element sits at 2**31 would wrap and is refused. Views of two tokens into an
+    untouched 4 GiB storage (stride 2**31 - 1 or 2**31 along T), checked without a launch."""
+    storage = torch.empty(2**31 + 1, dtype=F16, device=ttx_tutorial.DEVICE)
+
+    def head(stride_t):
+        return storage.as_strided((1, 1, 2, 1), (2, 2, stride_t, 1))
+
+    scan.check_inputs(head(2**31 - 1), head(2**31 - 1), head(2**31 - 1), None)
+    with pytest.raises(ValueError, match=r"32-bit offsets: q spans 2147483649 elements per head"):
+        scan.check_inputs(head(2**31), head(2**31), head(2**31), None)
+
+
+#: (D, E, dtype, float32 products) -> (CHUNK, BLOCK_E, num_warps) of the rule, at the edges of
+#: its branches (``_default_blocks``): bfloat16 in 64-token chunks with at most 64 value columns
+#: and 8192 state entries; float16 in chunks of 64 up to heads of 128, of 32 beyond, within 4096
+#: entries; float32 under 3xTF32 in chunks of 64 up to heads of 64, of 32 beyond, within 4096
+#: entries; float32 under TF32 from D = 65 to 128 with whole value heads up to 128 columns,
+#: chunks of 16 where E is as wide, else 32, on 8 warps past 8192 entries.
+RULE_EDGES = [
+    (16, 128, BF16, "tf32", (64, 64, 4)),
+    (256, 256, BF16, "tf32", (64, 32, 4)),
+    (128, 128, F16, "tf32", (64, 32, 4)),
+    (129, 16, F16, "tf32", (32, 16, 4)),
+    (16, 129, F16, "tf32", (32, 64, 4)),
+    (64, 64, F32, "tf32x3", (64, 64, 4)),
+    (65, 16, F32, "tf32x3", (32, 16, 4)),
+    (16, 65, F32, "tf32x3", (32, 64, 4)),
+    (64, 64, F32, "tf32", (64, 64, 4)),
+    (128, 64, F32, "tf32", (32, 64, 4)),
+    (128, 128, F32, "tf32", (16, 128, 4)),
+    (128, 256, F32, "tf32", (32, 128, 8)),
+]
+
+
+@pytest.mark.parametrize("D, E, dtype, precision, expected", RULE_EDGES,
+                         ids=[f"{D}x{E}-{str(dtype)[6:]}-{p}" for D, E, dtype, p, _ in RULE_EDGES])
+def test_rule_blocks_at_the_edges_of_its_branches(D, E, dtype, precision, expected):
+    """The blocks the rule gives on each side of its thresholds, as its docstring states them:
+    each keeps pass 3 within the registers measured on sm_90, and a threshold moved by one
+    power of two gives tiles that spill or chunks the backward cannot share."""
+    config = scan.default_config(1, 8, 65536, D, E, dtype, 132, precision)
+    assert (config["CHUNK"], config["BLOCK_E"], config["num_warps"]) == expected
+
+
+def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():
+    """The fused backward holds R, two score tiles and a chunk's dK and dV in registers: 16-bit
+    heads up to 64 wide (D and E) take it, wider ones and float32 the passes. Its chunks are the
+    forward's, at most 64 tokens for bfloat16 and 32 for float16, whose float32 intermediates
+    take twice the registers."""
+    assert scan.fused_backward_config(64, 64, BF16)["CHUNK"] == 64
+    assert scan.fused_backward_config(64, 64, F16)["CHUNK"] == 32
+    assert scan.fused_backward_config(64, 5, F16, {"CHUNK": 16})["CHUNK"] == 16
+    for D, E, dtype in ((65, 16, BF16), (16, 65, F16), (16, 16, F32)):
+        assert scan.fused_backward_config(D, E, dtype) is None, (D, E, dtype)
+
+
+def test_the_split_needs_outputs_of_split_min_elements_or_more():
+    """float32 calls take the bfloat16 split only where each output holds at least
+    SPLIT_MIN_ELEMENTS elements (heads * min(B * T * min(D, E), sequences * D * E)): exactly
+    1024 qualifies, 1023 does not."""
+    assert scan.SPLIT_MIN_ELEMENTS == 1024
+    q, v = torch.empty(1, 1, 32, 32), torch.empty(1, 1, 32, 32)
+    assert scan.split_is_accurate(q, v, 1)       # min(32 * 32, 32 * 32) = 1024
+    q, v = torch.empty(1, 1, 31, 33), torch.empty(1, 1, 31, 33)
+    assert not scan.split_is_accurate(q, v, 1)   # min(31 * 33, 33 * 33) = 1023

@@ -323,3 +323,59 @@ def test_benchmark_launches_compile_without_spills(target, feature_map):
     passes = report.split("scan_backward_kernel")[0]
     if target == "sm_90":
         assert passes.count("STACK:0") == 4, report
+
+
+# A program whose chunks met an inf or NaN rewrites its segment's outputs one token at a time:
+# 70 tokens in 16-token segments, an inf in v at token 40 (the third segment, inside its
+# chunk). eps as large as the denominators (about 20 there), so that one left out of the
+# rewritten denominators, or added twice, moves every output the rewrite writes.
+def test_outputs_rewritten_token_by_token_add_eps_once():
+    """The token-by-token rewrite after a non-finite chunk divides by q_t . z_t + eps, as the
+    chunk loop does: the finite outputs of the rewritten segment match float64 with a large eps."""
+    eps = 4.0
+    q, k, v, _ = with_garbage(1, 2, 70, 8, 8, torch.float32, ttx_tutorial.DEVICE, "v", math.inf, 40, seed=9)
+    q, k = q.abs(), k.abs()  # positive features: denominators far from 0
+    with testing.poisoned_allocations():
+        out, state = scan.scan_normalized_attention(q, k, v, eps=eps, config=SHORT)
+    q64, k64, v64 = (x.cpu().double() for x in (q, k, v))
+    extended, expected_state = references.cumsum(q64, k64, torch.cat([v64, torch.ones_like(v64[..., :1])], -1))
+    expected = extended[..., :-1] / (extended[..., -1:] + eps)
+    assert_same_results("normalised scan, eps 4", ("out", "S_T"), (out, state), (expected, expected_state),
+                        torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_denominator_gradient_takes_the_numerator_gradient_as_rounded_for_the_products(dtype):
+    """``normalizer_gradient_kernel`` makes g_t = dO_t / (d_t + eps) rounded as the backward's
+    products take it (bfloat16 for bfloat16 inputs, float32 otherwise) and r_t = -(g_t . out_t)
+    from that same rounded g: the score gradients g_t . v_s + r_t then cancel where v_s ~ out_t,
+    where a g rounded for one and not the other leaves bfloat16's rounding error behind. Two
+    programs of tokens (70 > 64), a head not a power of two."""
+    B, H, T, E = 1, 2, 70, 12
+    generator = torch.Generator().manual_seed(21)
+    grad_o, o = (torch.randn(B, H, T, E, generator=generator).to(ttx_tutorial.DEVICE, dtype) for _ in range(2))
+    denominator = (0.5 + 3 * torch.rand(B, H, T, generator=generator)).to(ttx_tutorial.DEVICE)
+    with testing.poisoned_allocations():
+        grad_denominator, numerator = scan._normalizer_gradient(grad_o, o, denominator, with_numerator=True)
+    # float32 division rounds correctly on both sides; bfloat16 then rounds to nearest, ties to even
+    expected_numerator = (grad_o.float() / denominator[..., None]).to(
+        torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    terms = expected_numerator.double() * o.double()
+    # float32 sums of E terms: within a few units of float32's last place of the terms' magnitudes
+    assert ((grad_denominator.double() + terms.sum(-1)).abs() <= 2.0**-20 * terms.abs().sum(-1)).all()
+    assert numerator.dtype == expected_numerator.dtype
+    assert torch.equal(numerator, expected_numerator)
+
+
+def test_eps_may_be_zero_and_must_be_finite():
+    """eps = 0 is a valid choice (features whose denominators stay positive need none) and gives
+    out = numerator / denominator exactly as float64 does; an infinite eps would turn every output
+    into 0 and is refused, as a negative one is."""
+    q, k, v = random_inputs(1, 2, 21, 8, 5, seed=13)
+    q, k = q.abs(), k.abs()
+    with testing.poisoned_allocations():
+        out, _ = scan.scan_normalized_attention(q, k, v, eps=0.0, config=SHORT)
+    expected, _ = reference_attention(q, k, v, lambda x: x, True, 0.0)
+    assert_close(out, expected, torch.float32, "out with eps = 0")
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        scan.scan_normalized_attention(q, k, v, eps=math.inf)

@@ -196,6 +196,7 @@ def _bad_offsets():
     return [
         ("a list", [0, 3, 7], TypeError, "cu_seqlens must be a torch.Tensor"),
         ("float", torch.tensor([0.0, 3.0, 7.0], device=device), TypeError, "int32 or int64"),
+        ("int16", torch.tensor([0, 3, 7], dtype=torch.int16, device=device), TypeError, "int32 or int64"),
         ("2-D", torch.tensor([[0, 3, 7]], device=device), ValueError, "1-D with N + 1 >= 2"),
         ("one offset", torch.tensor([0], device=device), ValueError, "1-D with N + 1 >= 2"),
         ("not from 0", torch.tensor([1, 3, 7], device=device), ValueError, "must start at 0, got 1"),
