@@ -1571,9 +1571,10 @@ _FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _fused_backward_shared_memory(fused, dtype, normalize=False):
-    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO (and
-    o when normalising) in flight, plus R and its transpose as product operands (counted at 4 bytes)."""
-    chunk_bytes = fused["CHUNK"] * (2 * fused["BLOCK_D"] + (2 + normalize) * fused["BLOCK_E"]) * dtype.itemsize
+    """Bytes of shared memory of the reverse walk: ``num_stages`` chunks of q, k, v and dO (and,
+    when normalising, r and d + eps, float32 a token) in flight, plus R and its transpose as
+    product operands (counted at 4 bytes)."""
+    chunk_bytes = fused["CHUNK"] * ((2 * fused["BLOCK_D"] + 2 * fused["BLOCK_E"]) * dtype.itemsize + 8 * normalize)
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
@@ -1583,7 +1584,7 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates need the registers).
     One program per segment leaves the load pipeline as its parallelism: 4 warps, 4 stages,
     fewer stages until the loads in flight fit ``shared_memory`` (``normalize``: the normalised
-    backward's, which also loads o)."""
+    backward's, which also loads r and d + eps)."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
