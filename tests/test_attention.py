@@ -506,6 +506,8 @@ def test_kernel_normaliser_errors_are_named():
         ttx_tutorial.causal_linear_attention(q, k, v, method="chunked", initial_state=torch.zeros(2, 2, 16, 9))
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
         chunked.chunked_normalized_attention(q, k, v, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0, got inf"):
+        chunked.chunked_normalized_attention(q, k, v, eps=float("inf"))
     with pytest.raises(TypeError, match="eps must be a Python float"):
         chunked.chunked_normalized_attention(q, k, v, eps=None)
     for method in ("chunked", "loop"):  # the references check the map as the kernels do

@@ -222,6 +222,9 @@ def test_fused_backward_rule():
     assert chunked.fused_backward_config(64, 64, torch.float16, SMALL_CHUNKS)["CHUNK"] == C
     assert chunked.fused_backward_config(65, 64, torch.bfloat16) is None  # BLOCK_D = 128
     assert chunked.fused_backward_config(64, 64, torch.float32) is None
+    # 4 stages of loads, 3 for the normalised backward (two programs then share a multiprocessor)
+    assert chunked.fused_backward_config(64, 64, torch.bfloat16)["num_stages"] == 4
+    assert chunked.fused_backward_config(64, 64, torch.bfloat16, normalize=True)["num_stages"] == 3
     # SPLIT_WALKS only where all three programs of every head find a multiprocessor of their own
     assert not chunked.fused_backward_config(64, 64, torch.bfloat16)["SPLIT_WALKS"]
     for heads, split in ((1, True), (8, True), (44, True), (45, False), (128, False)):
@@ -331,6 +334,53 @@ def test_long_sequences_sum_the_state_with_a_carry(dtype, device, monkeypatch):
     assert torch.equal(final_state - 2.0 ** 24, torch.full_like(final_state, float(chunks)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_sequences_sum_the_normaliser_with_a_carry(dtype, device, monkeypatch):
+    """The normalised forward carries z, the sum of the keys, beside the state, and past
+    ``COMPENSATED_FROM_CHUNKS`` chunks adds each chunk's keys to it with a Kahan carry of its own.
+    Here from the first chunk on: a z_0 of 2**24 (float32's unit in the last place is 2) gets 1
+    from every chunk (k = 1 / CHUNK), which a plain float32 sum rounds away every time; with the
+    carry the final z holds every one, as the state beside it does."""
+    monkeypatch.setattr(chunked, "COMPENSATED_FROM_CHUNKS", 0)
+    chunked._launch_plan.cache_clear()  # plans made before hold the threshold they were made with
+    try:
+        chunks, chunk, D, E = 12, 16, 16, 16
+        k = torch.full((1, 1, chunks * chunk, D), 1 / chunk, dtype=dtype, device=device)
+        v = torch.ones(1, 1, chunks * chunk, E, dtype=dtype, device=device)
+        s0 = torch.full((1, 1, D, E + 1), 2.0 ** 24, device=device)
+        _, final_state = chunked.chunked_normalized_attention(k, k, v, s0, config={"CHUNK": chunk, "BLOCK_E": 16})
+    finally:
+        chunked._launch_plan.cache_clear()
+    assert torch.equal(final_state - 2.0 ** 24, torch.full_like(final_state, float(chunks)))
+
+
+def test_the_carry_starts_past_the_threshold_counting_a_partial_chunk():
+    """The state is summed with a carry beyond ``COMPENSATED_FROM_CHUNKS`` chunks, a partial last
+    chunk counted as one (it is walked like the others): not at exactly that many chunks, but
+    with one token more."""
+    limit = chunked.COMPENSATED_FROM_CHUNKS
+    for chunk in (16, 64):
+        assert not chunked._compensated(limit * chunk, chunk)
+        assert chunked._compensated(limit * chunk + 1, chunk)
+
+
+def test_the_kernel_file_refuses_a_head_past_32_bit_offsets(device):
+    """The kernel file checks its own inputs as the API does: a head whose last element sits at
+    offset ``INDEX_LIMIT`` (2**31 - 1, the last one int32 reaches) is taken, one at 2**31 refused.
+    Two tokens that far apart: the storage is reserved, never touched."""
+    for stride, refused in ((chunked.INDEX_LIMIT, False), (chunked.INDEX_LIMIT + 1, True)):
+        try:
+            q = torch.empty_strided((1, 1, 2, 1), (1, 1, stride, 1), dtype=torch.float16, device=device)
+        except (RuntimeError, MemoryError):
+            pytest.skip("4 GiB of address space for one float16 head could not be reserved")
+        if refused:
+            with pytest.raises(ValueError, match=r"32-bit offsets: q spans 2147483649 elements per head"):
+                chunked.check_inputs(q, q, q, None)
+        else:
+            chunked.check_inputs(q, q, q, None)
+        del q
+
+
 def test_unknown_config_key_is_refused(device):
     q, k, v = random_inputs(1, 1, 4, 8, dtype=torch.float32, device=device, seed=8)
     with pytest.raises(ValueError, match="BLOCK_e"):
@@ -358,6 +408,18 @@ def test_default_config_splits_value_blocks_only_for_few_heads(dtype):
             block_e = chunked.default_config(D, E, dtype, heads=heads, multiprocessors=132)["BLOCK_E"]
             assert block_e <= whole
             assert block_e == 32 or 2 * heads * triton.cdiv(E, block_e) >= 132
+            # and no further: twice the columns left the programs fewer than half the multiprocessors
+            assert block_e == whole or 2 * heads * triton.cdiv(E, 2 * block_e) < 132, (D, E, heads)
+
+
+def test_default_config_bfloat16_takes_4_warps_up_to_64_state_registers_a_thread():
+    """bfloat16's rule: 4 warps while the state takes at most 64 float32 registers a thread
+    (BLOCK_D * BLOCK_E <= 8192 over 128 threads). Its largest tiles, 128 x 64 and, past D = 128,
+    256 x 32, sit exactly at that bound."""
+    for D, E in ((64, 64), (128, 64), (128, 256), (256, 256)):
+        config = chunked.default_config(D, E, torch.bfloat16)
+        assert chunked._block(D) * config["BLOCK_E"] <= 8192
+        assert config["num_warps"] == 4, (D, E, config)
 
 
 @pytest.mark.parametrize("shared_memory", [chunked._NOMINAL_LIMITS[1], 166912, 101376])

@@ -254,6 +254,25 @@ def test_normalized_attention_keeps_non_finite_values_causal(argument, garbage, 
     assert_same_results("normalised", names, found, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_normalized_outputs_redone_token_by_token_add_eps(dtype, device):
+    """A forward program that met an inf redoes all its outputs one token at a time, dividing by
+    q_t . z_t + eps there too. Queries whose features are all zero make the denominator eps alone
+    (0 / eps = 0, NaN without eps), and small features elsewhere put eps (0.5) on the order of
+    q_t . z_t: every output against float64 with the same eps, non-finite only where it is."""
+    T, D, E, eps = 20, 4, 8, 0.5
+    q, k, v = (x.clone() for x in testing.random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=12))
+    q, k = q.abs() * 0.1, k.abs() * 0.1
+    q[:, :, ::3] = 0
+    v[:, -1, T - 1, 2] = math.inf
+    with torch.no_grad(), testing.poisoned_allocations():
+        out, _ = chunked.chunked_normalized_attention(q, k, v, eps=eps)
+    q64, k64, v64 = (x.cpu().double() for x in (q, k, v))
+    extended, _ = references.cumsum(q64, k64, torch.cat([v64, torch.ones_like(v64[..., :1])], -1))
+    expected = extended[..., :-1] / (extended[..., -1:] + eps)
+    assert_same_results("normalised", ("out",), (out,), (expected,), dtype)
+
+
 #: Packed sequences (a batch of one), among them an empty one: the walks after the chunk loops
 #: take their sequence's tokens from the offsets, and start from its initial state (forward, dq)
 #: or from the final state's gradient (dk, dv).
@@ -353,6 +372,7 @@ BAD_CONFIGS = [
     ("chunked", {"num_stages": 0}, ValueError, ["num_stages", "at least 1", "0"]),
     ("chunked", {"BLOCK": 16}, ValueError, ["unknown config keys", "BLOCK"]),
     ("chunked", [("CHUNK", 16)], TypeError, ["config", "dict", "list"]),
+    ("chunked", {"num_warps": 64}, ValueError, ["num_warps", "power of two", "64"]),
     ("scan", {"SEGMENT_LEN": [16]}, TypeError, ["SEGMENT_LEN", "int", "[16]"]),
     ("scan", {"SEGMENT_LEN": 0}, ValueError, ["SEGMENT_LEN", "at least 1"]),
     ("scan", {"SEGMENT_LEN": 40}, ValueError, ["SEGMENT_LEN", "multiple of CHUNK"]),

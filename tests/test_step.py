@@ -86,12 +86,13 @@ def test_bfloat16_at_the_generation_shape():
     check_step("elu", True, torch.bfloat16, B=8, H=16, D=64, E=64)
 
 
-@pytest.mark.parametrize("D, E, programs_a_head", [(20, 16, 1), (20, 37, 1), (100, 37, 3), (20, 256, 16)])
+@pytest.mark.parametrize("D, E, programs_a_head", [(20, 16, 1), (20, 37, 1), (64, 64, 1), (100, 37, 3),
+                                                   (20, 256, 16)])
 def test_the_last_program_of_a_head_writes_z_and_resets_its_count(D, E, programs_a_head):
     """When normalising, each value block's program reads the old z and the head's last one to
-    finish writes the new z (D = 20: the head fits one tile and its only program writes z, no
-    count; D = 100: three blocks of 16 columns for E = 37, sixteen for E = 256): token after
-    token, z and the outputs stay right (the state must not gain phi(k) twice or lose it), and
+    finish writes the new z (D = 20, and 64 x 64, a head of exactly one tile: its only program
+    writes z, no count; D = 100: three blocks of 16 columns for E = 37, sixteen for E = 256):
+    token after token, z and the outputs stay right (the state must not gain phi(k) twice or lose it), and
     the counts are back at zero after every launch."""
     assert step._launch_plan(2, 3, D, E, True)[0] == (2 * 3 * programs_a_head,)
     q, k, v, state = token_inputs(2, 3, D, E, torch.float32, True, seed=E)
