@@ -411,8 +411,10 @@ def _check_interface():
 
 def run_interpreted(kernel, grid, *args, **kwargs):
     """Run ``kernel[grid](*args, **kwargs)`` in Triton's interpreter, in CPU mode and GPU mode
-    alike, and leave ``triton.language`` as it was: for ``print`` and ``breakpoint()`` inside a
-    kernel, which only the interpreter runs. Tensors on a GPU are copied to the host and back."""
+    alike, and leave ``triton.language`` as it was (every name keeps its object; the interpreter
+    itself adds its own globals, once per process, to the module of each function it rewrites):
+    for ``print`` and ``breakpoint()`` inside a kernel, which only the interpreter runs. Tensors
+    on a GPU are copied to the host and back."""
     edits = _Edits()
     language = snapshot_language()
     try:
