@@ -1071,8 +1071,8 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
     - 16-bit inputs: value blocks of 64 or 128 columns for D <= 128 (q and k read once per head
       up to E = 128), 32 at D > 128; halved down to 32 while the programs number fewer than half
       the multiprocessors, so that a head's programs share its q and k through L2.
-    - bfloat16: at most 64 value columns, 4 warps while the state takes at most 64 registers a
-      thread (else 8), and 4 stages of loads.
+    - bfloat16: at most 64 value columns (32 past D = 128), so the state takes at most 64
+      registers a thread on 4 warps; 4 stages of loads.
     - float16: 8 warps, 32-token chunks for D > 64 (its TF32 products hold float32 copies of q,
       the state and the scores), 3 stages.
     Stages down to 2, then chunk length, then the last stages shrink until the loads fit the
@@ -1093,8 +1093,7 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
         config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if block_d <= 64 else 8,
                   "num_stages": 3 if block_d <= 64 else 2}
     elif dtype == torch.bfloat16:
-        config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4 if block_d * block_e <= 8192 else 8,
-                  "num_stages": 4}
+        config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4, "num_stages": 4}
     else:
         config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 8, "num_stages": 3}
     while _shared_memory_estimate(block_d, config, dtype) > shared_memory:
