@@ -364,23 +364,6 @@ def test_the_carry_starts_past_the_threshold_counting_a_partial_chunk():
         assert chunked._compensated(limit * chunk + 1, chunk)
 
 
-def test_the_kernel_file_refuses_a_head_past_32_bit_offsets(device):
-    """The kernel file checks its own inputs as the API does: a head whose last element sits at
-    offset ``INDEX_LIMIT`` (2**31 - 1, the last one int32 reaches) is taken, one at 2**31 refused.
-    Two tokens that far apart: the storage is reserved, never touched."""
-    for stride, refused in ((chunked.INDEX_LIMIT, False), (chunked.INDEX_LIMIT + 1, True)):
-        try:
-            q = torch.empty_strided((1, 1, 2, 1), (1, 1, stride, 1), dtype=torch.float16, device=device)
-        except (RuntimeError, MemoryError):
-            pytest.skip("4 GiB of address space for one float16 head could not be reserved")
-        if refused:
-            with pytest.raises(ValueError, match=r"32-bit offsets: q spans 2147483649 elements per head"):
-                chunked.check_inputs(q, q, q, None)
-        else:
-            chunked.check_inputs(q, q, q, None)
-        del q
-
-
 def test_unknown_config_key_is_refused(device):
     q, k, v = random_inputs(1, 1, 4, 8, dtype=torch.float32, device=device, seed=8)
     with pytest.raises(ValueError, match="BLOCK_e"):

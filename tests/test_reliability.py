@@ -565,6 +565,25 @@ def test_kernel_functions_refuse_bad_input_with_the_api_s_messages(method):
         assert from_kernel_file == from_api, f"{case}: {from_kernel_file} != {from_api}"
 
 
+@pytest.mark.parametrize("kernel_file", [chunked, scan, recurrent], ids=lambda module: module.__name__.split(".")[-1])
+def test_each_kernel_file_refuses_a_head_past_32_bit_offsets(kernel_file):
+    """Each kernel file checks its own inputs as the API does: a head whose last element sits at
+    offset ``INDEX_LIMIT`` (2**31 - 1, the last one int32 reaches) is taken, one at 2**31 refused.
+    Two tokens that far apart: 4 GiB of storage reserved, never touched, and no launch."""
+    assert kernel_file.INDEX_LIMIT == 2**31 - 1
+    for stride, refused in ((kernel_file.INDEX_LIMIT, False), (kernel_file.INDEX_LIMIT + 1, True)):
+        try:
+            q = torch.empty_strided((1, 1, 2, 1), (1, 1, stride, 1), dtype=torch.float16, device=ttx_tutorial.DEVICE)
+        except (RuntimeError, MemoryError):
+            pytest.skip("4 GiB of address space for one float16 head could not be reserved")
+        if refused:
+            with pytest.raises(ValueError, match=r"32-bit offsets: q spans 2147483649 elements per head"):
+                kernel_file.check_inputs(q, q, q, None)
+        else:
+            kernel_file.check_inputs(q, q, q, None)
+        del q
+
+
 #: Each kernel file's entry point, called on small CPU tensors: (file, call).
 KERNEL_FILE_CALLS = {
     "chunked": "chunked.chunked_causal_product(q, k, v)",

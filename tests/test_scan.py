@@ -241,20 +241,6 @@ def test_tuning_candidates_are_valid_configs(dtype):
             assert resolved["SEGMENT_LEN"] % resolved["CHUNK"] == 0
 
 
-def test_the_last_element_of_a_head_may_sit_at_the_last_32_bit_offset_and_no_further():
-    """Offsets inside one head are int32: a head whose last element sits at 2**31 - 1 is taken,
-    one whose last element sits at 2**31 would wrap and is refused. Views of two tokens into an
-    untouched 4 GiB storage (stride 2**31 - 1 or 2**31 along T), checked without a launch."""
-    storage = torch.empty(2**31 + 1, dtype=F16, device=ttx_tutorial.DEVICE)
-
-    def head(stride_t):
-        return storage.as_strided((1, 1, 2, 1), (2, 2, stride_t, 1))
-
-    scan.check_inputs(head(2**31 - 1), head(2**31 - 1), head(2**31 - 1), None)
-    with pytest.raises(ValueError, match=r"32-bit offsets: q spans 2147483649 elements per head"):
-        scan.check_inputs(head(2**31), head(2**31), head(2**31), None)
-
-
 #: (D, E, dtype, float32 products) -> (CHUNK, BLOCK_E, num_warps) of the rule, at the edges of
 #: its branches (``_default_blocks``): bfloat16 in 64-token chunks with at most 64 value columns
 #: and 8192 state entries; float16 in chunks of 64 up to heads of 128, of 32 beyond, within 4096
