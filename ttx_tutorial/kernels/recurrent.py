@@ -504,7 +504,8 @@ TUNING_CANDIDATES = (
     {"WALK": "tokens", "BLOCK_E": 16, "COLS": 4, "HALVES": 1, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fewest instructions
     {"WALK": "tokens", "BLOCK_E": 4, "COLS": 1, "HALVES": 1, "num_warps": 1, "UNROLL": 16, "num_stages": 3},  # few heads
     {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "HALVES": 1, "num_warps": 1, "UNROLL": 8, "num_stages": 3},  # bf16 D=128 rule
-    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 8, "HALVES": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},  # fp32 D=128 rule
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 8, "HALVES": 2, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # fp32 D=128 rule
+    {"WALK": "tokens", "BLOCK_E": 16, "COLS": 8, "HALVES": 2, "num_warps": 1, "UNROLL": 8, "num_stages": 2},  # 8 tokens a step
     {"WALK": "tokens", "BLOCK_E": 8, "COLS": 4, "HALVES": 2, "num_warps": 1, "UNROLL": 4, "num_stages": 3},  # the same, few heads
     {"WALK": "blocks", "BLOCK_D": 32, "BLOCK_E": 4, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # few heads rule
     {"WALK": "blocks", "BLOCK_D": 16, "BLOCK_E": 8, "BLOCK_T": 32, "num_warps": 1, "num_stages": 3},  # 4 key blocks
@@ -608,11 +609,10 @@ def default_config(B: int, H: int, D: int, E: int, dtype: torch.dtype, multiproc
       One 128-row float32 k tile takes all 32 lanes (4 floats each), so GROUPS = 1 and every
       column's sum over D costs 5 shuffle rounds; two 64-row tiles take 16 lanes each, so two
       groups share the warp, and each thread adds its two tiles' products before one reduction
-      over 16 lanes (4 rounds). BLOCK_E = 16 (COLS 8,
-      UNROLL 8, 2 stages) where those programs number at least 4 a multiprocessor, else
-      BLOCK_E = 8 (COLS 4, UNROLL 4, 3 stages): of the tiles timed at (8, 16, 4096, 128) and (2,
-      16, 16384, 128) on an H200, the fastest, and for few programs the fastest that does not
-      spill with Triton 3.9 (benchmarks/NOTES.md).
+      over 16 lanes (4 rounds). UNROLL 4 and 3 stages; BLOCK_E = 16 (COLS 8) where those
+      programs number at least 4 a multiprocessor, else BLOCK_E = 8 (COLS 4). Of the tiles timed
+      for every walk of the forward and backward at (8, 16, 4096, 128) and (2, 16, 16384, 128)
+      on an H100, the fastest within 1 % (benchmarks/NOTES.md).
     * Fewer than 3 tokens-walk programs per multiprocessor and D <= 64: the blocks walk
       (``_blocks_config``). A warp alone on its scheduler is then bound by the latency of each
       token's chain of dependent instructions, which the blocks walk's independent steps avoid;
@@ -641,7 +641,7 @@ def _tokens_config(D: int, dtype: torch.dtype, many_programs: bool | None = Fals
     if dtype == torch.float32 and block_d == 128 and many_programs is not None:
         block_e = 16 if many_programs else 8
         return {"WALK": "tokens", "BLOCK_E": block_e, "COLS": block_e // _groups(64, 4), "HALVES": 2,
-                "num_warps": 1, "UNROLL": 8 if many_programs else 4, "num_stages": 2 if many_programs else 3}
+                "num_warps": 1, "UNROLL": 4, "num_stages": 3}
     groups = _groups(block_d, dtype.itemsize)
     block_e = max(8, groups)
     cfg = {"WALK": "tokens", "BLOCK_E": block_e, "COLS": max(1, block_e // groups), "HALVES": 1, "num_warps": 1,
