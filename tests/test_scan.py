@@ -273,6 +273,26 @@ def test_rule_blocks_at_the_edges_of_its_branches(D, E, dtype, precision, expect
     assert (config["CHUNK"], config["BLOCK_E"], config["num_warps"]) == expected
 
 
+def test_bfloat16_keys_from_65_to_128_wide_pipeline_four_chunks_where_they_fit():
+    """Pass 3 keeps four chunks of q, k and v in flight for bfloat16 keys 65 to 128 wide (160 KB
+    at D = 128), where the GPU's shared memory holds them (an H100/H200's, not an A100's), except
+    in the normalised forward; everything else keeps two."""
+    h100, a100 = 232448, 166912
+    for D, E, dtype, shared_memory, stages in ((128, 128, BF16, h100, 4), (65, 16, BF16, h100, 4),
+                                               (128, 128, BF16, a100, 2), (64, 128, BF16, h100, 2),
+                                               (256, 256, BF16, h100, 2), (128, 128, F16, h100, 2),
+                                               (128, 128, F32, h100, 2)):
+        config = scan.default_config(2, 16, 16384, D, E, dtype, 132, shared_memory=shared_memory)
+        assert config["num_stages"] == stages, (D, E, dtype, shared_memory)
+        if stages == 4:
+            assert scan._pipelined_bytes(scan._block(D), config["BLOCK_E"], config["CHUNK"], 4, 2) <= shared_memory
+    q = torch.empty(2, 16, 16384, 128, dtype=BF16)
+    assert scan._resolve_config(q, q, None)["num_stages"] == 4
+    assert scan._resolve_config(q, q, None, normalized=True)["num_stages"] == 4  # the normalised backward's passes
+    assert scan._resolve_config(q, q, None, normalized=True, denominator=True)["num_stages"] == 2
+    assert scan._resolve_config(q, q, {"num_stages": 3})["num_stages"] == 3
+
+
 def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():
     """The fused backward holds R, two score tiles and a chunk's dK and dV in registers: 16-bit
     heads up to 64 wide (D and E) take it, wider ones and float32 the passes. Its chunks are the

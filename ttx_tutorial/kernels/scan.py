@@ -78,7 +78,8 @@ and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segmen
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
 included). Packed segments that straddle boundaries: the scan and packed-sequence test files
 on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
-its lengths within those the tests run. With "elu" the kernels took
+its lengths within those the tests run; bfloat16's four stages at D = 65-128: the scan test
+files on an H100 (Triton 3.6). With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -1460,9 +1461,17 @@ _TF32X3_8_WARPS_MIN_BLOCK = 32
 _SPLIT_PRECISIONS = ("tf32x3", "bf16x3", "bf16x6", "bf16x3_manual")
 
 
-def _default_blocks(D, E, dtype, precision="tf32x3"):
+def _pipelined_bytes(block_d, block_e, chunk, stages, itemsize):
+    """Shared memory of pass 3's pipeline: ``stages`` chunks of q, k and v in flight, and the
+    state as a product operand (counted at 4 bytes)."""
+    return stages * chunk * (2 * block_d + block_e) * itemsize + block_d * block_e * 4
+
+
+def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=None, denominator=False):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
-    on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D).
+    on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D). ``shared_memory``: a
+    block's opt-in bytes (None: an H100/H200's). ``denominator``: for the normalised forward
+    (NORMALIZE), which carries z beside the state.
 
     bfloat16: chunks of 64 tokens, one 64-row tensor-core instruction (wgmma) per product; pass 3
         holds the state [BLOCK_D, BLOCK_E], the scores [64, 64] and the output [64, BLOCK_E] in
@@ -1480,7 +1489,11 @@ def _default_blocks(D, E, dtype, precision="tf32x3"):
         state passes 8192 entries. At (2, 16, 16384, 128) on an H200 the 16-token chunks were
         the fastest, ahead of chunks of 32 on 8 warps and of 32-column tiles
         (``benchmarks/float32_sweep.py``; figures in benchmarks/NOTES.md).
-    Two stages let the loads of the next chunk overlap the products of this one.
+    Two stages let the loads of the next chunk overlap the products of this one. bfloat16 keys
+    from 65 to 128 wide take four where they fit ``shared_memory`` (160 KB of loads in flight at
+    D = 128), except in the normalised forward: at (2, 16, 16384, 128) and (8, 16, 4096, 128) on
+    an H100 the plain forward and forward+backward were 6-10 % faster with four, the normalised
+    backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four were slower.
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
@@ -1497,7 +1510,11 @@ def _default_blocks(D, E, dtype, precision="tf32x3"):
     else:
         chunk, state_entries, warps = 64, 8192, 4
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
-    return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": 2}
+    stages = 2
+    if (dtype == torch.bfloat16 and 64 < block_d <= 128 and not denominator
+            and _pipelined_bytes(block_d, block_e, chunk, 4, 2) <= (shared_memory or _NOMINAL_LIMITS[1])):
+        stages = 4
+    return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": stages}
 
 
 def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
@@ -1517,21 +1534,23 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multipr
     return max(parallel_length, traffic_length)
 
 
-def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3"):
+def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3", shared_memory=None):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
-    ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors, with
-    ``FLOAT32_PRECISION``, the kernels' product precision (``float32_precision`` for float32
-    inputs; "tf32" for 16-bit ones, whose float32 operands TF32 holds exactly). Packed sequences
-    take the config of one sequence of their total length."""
-    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision))
+    ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors and ``shared_memory``
+    opt-in bytes a block (None: an H100/H200's), with ``FLOAT32_PRECISION``, the kernels'
+    product precision (``float32_precision`` for float32 inputs; "tf32" for 16-bit ones, whose
+    float32 operands TF32 holds exactly). Packed sequences take the config of one sequence of
+    their total length."""
+    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision, shared_memory))
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
-def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision):
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision, shared_memory=None,
+                     denominator=False):
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
-    resolved = {**_default_blocks(D, E, dtype, precision),
+    resolved = {**_default_blocks(D, E, dtype, precision, shared_memory, denominator),
                 **{k: v for k, v in config.items() if k != "SEGMENT_LEN"}}
     length = config.get("SEGMENT_LEN")
     if length is None:
@@ -1552,16 +1571,19 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     return resolved
 
 
-def _resolve_config(q, v, config, normalized=False):
+def _resolve_config(q, v, config, normalized=False, denominator=False):
     """The launch configuration for these inputs: the rule, then the caller's keys; float32
     products at the precision PyTorch's setting asks for now (3xTF32 for "highest" when
-    ``normalized``: a pass of the normalised attention, see ``float32_precision``)."""
+    ``normalized``: a pass of the normalised attention, see ``float32_precision``).
+    ``denominator``: the normalised forward's passes (see ``_default_blocks``)."""
     B, H, T, D = q.shape
     overrides = tuple(sorted((config or {}).items()))
     precision = float32_precision(normalized)
     if precision == BF16X3_MANUAL.value and not split_is_accurate(q, v, B):  # packed: counted as one row
         precision = "tf32x3"
-    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, _device_limits(q.device)[0], overrides, precision)
+    multiprocessors, shared_memory = _device_limits(q.device)
+    return _resolved_config(B, H, T, D, v.shape[-1], q.dtype, multiprocessors, overrides, precision, shared_memory,
+                            denominator)
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
@@ -1758,7 +1780,7 @@ def _launch(q, k, v, initial_state, config, cu_seqlens=None, *, eps=None, featur
         else:
             final_state.copy_(initial_state)
         return torch.empty(B, H, 0, E, device=q.device, dtype=q.dtype), final_state, None, None, None, denominator
-    resolved = _resolve_config(q, v, config, normalized=normalize or normalized)
+    resolved = _resolve_config(q, v, config, normalized=normalize or normalized, denominator=normalize)
     segments = None if cu_seqlens is None else _segment_table(cu_seqlens, resolved["SEGMENT_LEN"], T)
     initial = _States.initial(initial_state, q.device)
     starts = _segment_starts(k, v, initial, reverse=False, config=resolved, segments=segments, normalize=normalize,
