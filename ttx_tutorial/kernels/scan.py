@@ -1467,10 +1467,10 @@ def _pipelined_bytes(block_d, block_e, chunk, stages, itemsize):
     return stages * chunk * (2 * block_d + block_e) * itemsize + block_d * block_e * 4
 
 
-def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=None, denominator=False):
+def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMITS[1], denominator=False):
     """CHUNK, BLOCK_E, num_warps and num_stages, chosen so that pass 3 does not spill registers
     on sm_90 for 16-bit inputs (checked with ptxas for every BLOCK_D). ``shared_memory``: a
-    block's opt-in bytes (None: an H100/H200's). ``denominator``: for the normalised forward
+    block's opt-in bytes (by default an H100/H200's). ``denominator``: for the normalised forward
     (NORMALIZE), which carries z beside the state.
 
     bfloat16: chunks of 64 tokens, one 64-row tensor-core instruction (wgmma) per product; pass 3
@@ -1512,7 +1512,7 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=None, denomin
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
     stages = 2
     if (dtype == torch.bfloat16 and 64 < block_d <= 128 and not denominator
-            and _pipelined_bytes(block_d, block_e, chunk, 4, 2) <= (shared_memory or _NOMINAL_LIMITS[1])):
+            and _pipelined_bytes(block_d, block_e, chunk, 4, 2) <= shared_memory):
         stages = 4
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": stages}
 
@@ -1534,10 +1534,11 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multipr
     return max(parallel_length, traffic_length)
 
 
-def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3", shared_memory=None):
+def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf32x3",
+                   shared_memory=_NOMINAL_LIMITS[1]):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
     ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors and ``shared_memory``
-    opt-in bytes a block (None: an H100/H200's), with ``FLOAT32_PRECISION``, the kernels'
+    opt-in bytes a block (by default an H100/H200's), with ``FLOAT32_PRECISION``, the kernels'
     product precision (``float32_precision`` for float32 inputs; "tf32" for 16-bit ones, whose
     float32 operands TF32 holds exactly). Packed sequences take the config of one sequence of
     their total length."""
@@ -1545,8 +1546,8 @@ def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf3
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
-def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision, shared_memory=None,
-                     denominator=False):
+def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_precision,
+                     shared_memory=_NOMINAL_LIMITS[1], denominator=False):
     """The rule with the (checked) ``overrides`` applied, as a cached dict: never modify it."""
     config = dict(overrides)
     precision = float32_precision if dtype == torch.float32 else "tf32"
