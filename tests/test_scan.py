@@ -176,21 +176,43 @@ def test_through_causal_product(dtype):
 
 
 def test_segment_length_rule_on_the_main_benchmark_shape():
-    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. The rule must give pass 3
-    about two programs per SM of an H200 (at least one) and keep the float32 states' traffic
-    (each written and read about four times) under a quarter of the q, k, v, o traffic. It
-    gives 2048-token segments, the fastest length of the recorded sweep (benchmarks/NOTES.md)."""
+    """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. With the rule's four stages
+    pass 3 hides its own loads, so the rule gives the fewest segments that still keep at most
+    one program a multiprocessor of an H200 busy (4096 tokens, the fastest length of the
+    recorded sweep, benchmarks/NOTES.md); with two stages, about two programs a multiprocessor
+    (2048). Both keep the float32 states' traffic (each written and read about four times) under
+    a quarter of the q, k, v, o traffic."""
     B, H, T, D, E, sm_count = 1, 8, 65536, 64, 64, 132
     blocks = scan._default_blocks(D, E, BF16)
     e_blocks = -(-E // blocks["BLOCK_E"])
-    length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count)
-    segments = -(-T // length)
-    assert length % blocks["CHUNK"] == 0
-    assert length == 2048
-    assert sm_count <= B * H * segments * e_blocks <= 4 * sm_count
-    state_bytes = 4 * B * H * segments * D * E * 4
-    token_bytes = B * H * T * (2 * D + 2 * E) * 2
-    assert state_bytes <= token_bytes / 4
+    assert blocks["num_stages"] == 4
+    for stages, expected, (fewest, most) in ((4, 4096, (sm_count / 2, sm_count)), (2, 2048, (sm_count, 4 * sm_count))):
+        length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count, stages)
+        segments = -(-T // length)
+        assert length % blocks["CHUNK"] == 0
+        assert length == expected, stages
+        assert fewest <= B * H * segments * e_blocks <= most, stages
+        state_bytes = 4 * B * H * segments * D * E * 4
+        token_bytes = B * H * T * (2 * D + 2 * E) * 2
+        assert state_bytes <= token_bytes / 4
+
+
+@pytest.mark.parametrize("B, H, T, D, expected", [
+    (8, 16, 4096, 64, 4096),      # 128 heads fill the GPU alone: one segment
+    (8, 16, 4096, 128, 4096),     # 256 programs: one segment
+    (2, 16, 16384, 128, 8192),    # 64 programs a segment: two segments
+    (1, 4, 131072, 64, 4096),     # 32 segments of 4 programs: 128, not 33 x 4 = 132 rounded up
+    (1, 8, 4096, 64, 512),        # 16 segments
+])
+def test_deep_pipeline_keeps_at_most_one_program_a_multiprocessor(B, H, T, D, expected):
+    """bfloat16 with the rule's four stages: the shortest power-of-two segments that do not put
+    more pass-3 programs than multiprocessors on the GPU, one segment where the heads alone
+    fill it; the lengths of the fastest points of the recorded sweep."""
+    config = scan.default_config(B, H, T, D, D, BF16, 132)
+    programs = B * H * -(-T // config["SEGMENT_LEN"]) * -(-D // config["BLOCK_E"])
+    assert config["num_stages"] == 4
+    assert config["SEGMENT_LEN"] == expected
+    assert programs <= 132 or config["SEGMENT_LEN"] >= T
 
 
 def test_packed_sequences_are_cut_as_one_sequence(monkeypatch):
@@ -273,13 +295,15 @@ def test_rule_blocks_at_the_edges_of_its_branches(D, E, dtype, precision, expect
     assert (config["CHUNK"], config["BLOCK_E"], config["num_warps"]) == expected
 
 
-def test_bfloat16_keys_from_65_to_128_wide_pipeline_four_chunks_where_they_fit():
-    """Pass 3 keeps four chunks of q, k and v in flight for bfloat16 keys 65 to 128 wide (160 KB
-    at D = 128), where the GPU's shared memory holds them (an H100/H200's, not an A100's), except
-    in the normalised forward; everything else keeps two."""
+def test_bfloat16_keys_from_33_to_128_wide_pipeline_four_chunks_where_they_fit():
+    """Pass 3 keeps four chunks of q, k and v in flight for bfloat16 keys 33 to 128 wide (160 KB
+    at D = 128), where the GPU's shared memory holds them (an H100/H200's; at D = 128 not an
+    A100's), except in the normalised forward; everything else keeps two."""
     h100, a100 = 232448, 166912
     for D, E, dtype, shared_memory, stages in ((128, 128, BF16, h100, 4), (65, 16, BF16, h100, 4),
-                                               (128, 128, BF16, a100, 2), (64, 128, BF16, h100, 2),
+                                               (128, 128, BF16, a100, 2), (64, 128, BF16, h100, 4),
+                                               (64, 64, BF16, a100, 4), (33, 64, BF16, h100, 4),
+                                               (32, 64, BF16, h100, 2),
                                                (256, 256, BF16, h100, 2), (128, 128, F16, h100, 2),
                                                (128, 128, F32, h100, 2)):
         config = scan.default_config(2, 16, 16384, D, E, dtype, 132, shared_memory=shared_memory)
@@ -291,6 +315,10 @@ def test_bfloat16_keys_from_65_to_128_wide_pipeline_four_chunks_where_they_fit()
     assert scan._resolve_config(q, q, None, normalized=True)["num_stages"] == 4  # the normalised backward's passes
     assert scan._resolve_config(q, q, None, normalized=True, denominator=True)["num_stages"] == 2
     assert scan._resolve_config(q, q, {"num_stages": 3})["num_stages"] == 3
+    # and the segments that go with the depth: the normalised forward's two stages keep two
+    # programs a multiprocessor (four segments), which its backward reuses
+    assert scan._resolve_config(q, q, None)["SEGMENT_LEN"] == 8192
+    assert scan._resolve_config(q, q, None, normalized=True, denominator=True)["SEGMENT_LEN"] == 4096
 
 
 def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():

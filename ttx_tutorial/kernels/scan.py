@@ -78,8 +78,8 @@ and 3.9; the test suite on an H200 with Triton 3.6 (``IS_VARLEN``, ``scan_segmen
 float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATURE_MAP``
 included). Packed segments that straddle boundaries: the scan and packed-sequence test files
 on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
-its lengths within those the tests run; bfloat16's four stages at D = 65-128: the scan test
-files on an H100 (Triton 3.6). With "elu" the kernels took
+its lengths within those the tests run; bfloat16's four stages at D = 33-128 and their segments
+of at most one program a multiprocessor: timed and the scan test files run on an H100 (Triton 3.6). With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -1373,10 +1373,14 @@ def check_config(config):
 
 #: Head dimensions the candidates are meant for.
 _TUNED_HEAD_DIMS = (64, 128)
-#: Pass-3 programs per multiprocessor the segment length aims for: two let one program's loads
-#: overlap another's products; more add pass-2 steps and state traffic, and measured slower on
-#: an H200 (benchmarks/NOTES.md). Packed sequences are cut as one sequence of their total length.
+#: Pass-3 programs per multiprocessor the segment length aims for where pass 3 keeps two chunks
+#: of loads in flight: two let one program's loads overlap another's products; more add pass-2
+#: steps and state traffic, and measured slower on an H200 (benchmarks/NOTES.md). A pipeline
+#: three or more chunks deep overlaps its own loads: there at most one program a multiprocessor
+#: (``_segment_length``). Packed sequences are cut as one sequence of their total length.
 _PROGRAMS_PER_SM = 2
+#: Pipeline depth (``num_stages``) from which a pass-3 program hides its own loads.
+_DEEP_PIPELINE_STAGES = 3
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
 _NOMINAL_LIMITS = (132, 232448)
 
@@ -1490,10 +1494,13 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
         the fastest, ahead of chunks of 32 on 8 warps and of 32-column tiles
         (``benchmarks/float32_sweep.py``; figures in benchmarks/NOTES.md).
     Two stages let the loads of the next chunk overlap the products of this one. bfloat16 keys
-    from 65 to 128 wide take four where they fit ``shared_memory`` (160 KB of loads in flight at
-    D = 128), except in the normalised forward: at (2, 16, 16384, 128) and (8, 16, 4096, 128) on
-    an H100 the plain forward and forward+backward were 6-10 % faster with four, the normalised
-    backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four were slower.
+    from 33 to 128 wide take four where they fit ``shared_memory`` (160 KB of loads in flight at
+    D = 128, 112 KB at D = 64), except in the normalised forward, and with them segments about
+    twice as long (``_segment_length``): at (2, 16, 16384, 128) and (8, 16, 4096, 128) on an H100
+    the plain forward and forward+backward were 6-10 % faster with four stages, the normalised
+    backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four stages
+    gained only with the longer segments (7-30 % over the earlier rule at nine shapes from
+    (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md).
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
@@ -1511,24 +1518,33 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
         chunk, state_entries, warps = 64, 8192, 4
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
     stages = 2
-    if (dtype == torch.bfloat16 and 64 < block_d <= 128 and not denominator
+    if (dtype == torch.bfloat16 and 32 < block_d <= 128 and not denominator
             and _pipelined_bytes(block_d, block_e, chunk, 4, 2) <= shared_memory):
         stages = 4
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": stages}
 
 
-def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors):
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors, num_stages=2):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
-    Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
-    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
-    that equal segments split the sequence evenly. Traffic: each segment moves its float32 state
-    (D * E * 4 bytes) about four times; keep that under a quarter of the segment's own q, k, v
-    and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK. Where the
-    two disagree (short sequences, many heads), traffic wins: the heads fill the GPU.
+    Parallelism, with ``num_stages`` chunks of loads in flight in pass 3: under
+    ``_DEEP_PIPELINE_STAGES``, aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks
+    * NS) on every multiprocessor: T / NS tokens rounded to the nearest power of two (at least one
+    chunk), so that equal segments split the sequence evenly. From it on, each program hides its
+    own loads: the fewest segments that still give at most one program a multiprocessor (the
+    shortest power of two that cuts T into no more than multiprocessors / (batch_heads *
+    e_blocks) segments, one where the heads alone fill the GPU). Traffic: each segment moves its
+    float32 state (D * E * 4 bytes) about four times; keep that under a quarter of the segment's
+    own q, k, v and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK.
+    Where parallelism and traffic disagree (short sequences, many heads), traffic wins.
     """
-    wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors, max(1, batch_heads * e_blocks))
-    parallel_length = max(chunk, 2 ** round(math.log2(max(1.0, T / wanted_segments))))
+    programs_a_segment = max(1, batch_heads * e_blocks)
+    if num_stages >= _DEEP_PIPELINE_STAGES:
+        segments = max(1, multiprocessors // programs_a_segment)
+        parallel_length = max(chunk, triton.next_power_of_2(triton.cdiv(T, segments)))
+    else:
+        wanted_segments = triton.cdiv(_PROGRAMS_PER_SM * multiprocessors, programs_a_segment)
+        parallel_length = max(chunk, 2 ** round(math.log2(max(1.0, T / wanted_segments))))
     traffic_length = triton.cdiv(64 * D * E, (2 * D + 2 * E) * element_size)
     traffic_length = triton.cdiv(traffic_length, chunk) * chunk
     return max(parallel_length, traffic_length)
@@ -1556,7 +1572,7 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
-                                 dtype.itemsize, multiprocessors)
+                                 dtype.itemsize, multiprocessors, resolved["num_stages"])
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
