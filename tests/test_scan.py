@@ -186,12 +186,13 @@ def test_segment_length_rule_on_the_main_benchmark_shape():
     blocks = scan._default_blocks(D, E, BF16)
     e_blocks = -(-E // blocks["BLOCK_E"])
     assert blocks["num_stages"] == 4
-    for stages, expected, (fewest, most) in ((4, 4096, (sm_count / 2, sm_count)), (2, 2048, (sm_count, 4 * sm_count))):
-        length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count, stages)
+    for one_program, expected, (fewest, most) in ((True, 4096, (sm_count / 2, sm_count)),
+                                                  (False, 2048, (sm_count, 4 * sm_count))):
+        length = scan._segment_length(T, B * H, D, E, blocks["CHUNK"], e_blocks, 2, sm_count, one_program)
         segments = -(-T // length)
         assert length % blocks["CHUNK"] == 0
-        assert length == expected, stages
-        assert fewest <= B * H * segments * e_blocks <= most, stages
+        assert length == expected, one_program
+        assert fewest <= B * H * segments * e_blocks <= most, one_program
         state_bytes = 4 * B * H * segments * D * E * 4
         token_bytes = B * H * T * (2 * D + 2 * E) * 2
         assert state_bytes <= token_bytes / 4
@@ -319,6 +320,9 @@ def test_bfloat16_keys_from_33_to_128_wide_pipeline_four_chunks_where_they_fit()
     # programs a multiprocessor (four segments), which its backward reuses
     assert scan._resolve_config(q, q, None)["SEGMENT_LEN"] == 8192
     assert scan._resolve_config(q, q, None, normalized=True, denominator=True)["SEGMENT_LEN"] == 4096
+    assert scan._resolve_config(q, q, {"num_stages": 2})["SEGMENT_LEN"] == 4096
+    # float16 as deep keeps two programs a multiprocessor (measured faster so): 4096, not 16384
+    assert scan._resolved_config(2, 16, 16384, 128, 128, F16, 132, (("num_stages", 4),), "tf32")["SEGMENT_LEN"] == 4096
 
 
 def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():

@@ -1373,13 +1373,12 @@ def check_config(config):
 
 #: Head dimensions the candidates are meant for.
 _TUNED_HEAD_DIMS = (64, 128)
-#: Pass-3 programs per multiprocessor the segment length aims for where pass 3 keeps two chunks
-#: of loads in flight: two let one program's loads overlap another's products; more add pass-2
-#: steps and state traffic, and measured slower on an H200 (benchmarks/NOTES.md). A pipeline
-#: three or more chunks deep overlaps its own loads: there at most one program a multiprocessor
+#: Pass-3 programs per multiprocessor the segment length aims for: two let one program's loads
+#: overlap another's products; more add pass-2 steps and state traffic, and measured slower on
+#: an H200 (benchmarks/NOTES.md). bfloat16 with a deeper pipeline takes at most one instead
 #: (``_segment_length``). Packed sequences are cut as one sequence of their total length.
 _PROGRAMS_PER_SM = 2
-#: Pipeline depth (``num_stages``) from which a pass-3 program hides its own loads.
+#: Pipeline depth (``num_stages``) from which bfloat16's pass-3 program hides its own loads.
 _DEEP_PIPELINE_STAGES = 3
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
 _NOMINAL_LIMITS = (132, 232448)
@@ -1524,22 +1523,26 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": stages}
 
 
-def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors, num_stages=2):
+def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multiprocessors,
+                    one_program_per_sm=False):
     """Tokens per segment: short enough to fill the GPU, long enough that states stay cheap.
 
-    Parallelism, with ``num_stages`` chunks of loads in flight in pass 3: under
-    ``_DEEP_PIPELINE_STAGES``, aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks
-    * NS) on every multiprocessor: T / NS tokens rounded to the nearest power of two (at least one
-    chunk), so that equal segments split the sequence evenly. From it on, each program hides its
-    own loads: the fewest segments that still give at most one program a multiprocessor (the
-    shortest power of two that cuts T into no more than multiprocessors / (batch_heads *
-    e_blocks) segments, one where the heads alone fill the GPU). Traffic: each segment moves its
-    float32 state (D * E * 4 bytes) about four times; keep that under a quarter of the segment's
-    own q, k, v and o, i.e. L >= 64 * D * E / ((2D + 2E) * element_size), a multiple of CHUNK.
-    Where parallelism and traffic disagree (short sequences, many heads), traffic wins.
+    Parallelism: aim for _PROGRAMS_PER_SM pass-3 programs (batch_heads * e_blocks * NS) on every
+    multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
+    that equal segments split the sequence evenly. ``one_program_per_sm`` (bfloat16 with
+    ``_DEEP_PIPELINE_STAGES`` or more, where each program hides its own loads): instead the
+    fewest segments that still give at most one program a multiprocessor (the shortest power of
+    two that cuts T into no more than multiprocessors / (batch_heads * e_blocks) segments; one
+    where the heads alone fill the GPU). Measured on an H100 (benchmarks/NOTES.md): bfloat16 with
+    three or four stages was faster so at nine shapes, 8-34 % forward; float16 with three stages
+    was faster at the two-program length, and float32 with any deeper pipeline slower.
+    Traffic: each segment moves its float32 state (D * E * 4 bytes) about four times; keep that
+    under a quarter of the segment's own q, k, v and o, i.e. L >= 64 * D * E / ((2D + 2E) *
+    element_size), a multiple of CHUNK. Where parallelism and traffic disagree (short sequences,
+    many heads), traffic wins.
     """
     programs_a_segment = max(1, batch_heads * e_blocks)
-    if num_stages >= _DEEP_PIPELINE_STAGES:
+    if one_program_per_sm:
         segments = max(1, multiprocessors // programs_a_segment)
         parallel_length = max(chunk, triton.next_power_of_2(triton.cdiv(T, segments)))
     else:
@@ -1572,7 +1575,8 @@ def _resolved_config(B, H, T, D, E, dtype, multiprocessors, overrides, float32_p
     length = config.get("SEGMENT_LEN")
     if length is None:
         length = _segment_length(T, B * H, D, E, resolved["CHUNK"], triton.cdiv(E, resolved["BLOCK_E"]),
-                                 dtype.itemsize, multiprocessors, resolved["num_stages"])
+                                 dtype.itemsize, multiprocessors,
+                                 dtype == torch.bfloat16 and resolved["num_stages"] >= _DEEP_PIPELINE_STAGES)
     elif length < resolved["CHUNK"] or length % resolved["CHUNK"]:
         raise ValueError(f"config SEGMENT_LEN must be a positive multiple of CHUNK={resolved['CHUNK']}, "
                          f"got {length}")
