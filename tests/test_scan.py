@@ -296,21 +296,23 @@ def test_rule_blocks_at_the_edges_of_its_branches(D, E, dtype, precision, expect
     assert (config["CHUNK"], config["BLOCK_E"], config["num_warps"]) == expected
 
 
-def test_bfloat16_keys_from_33_to_128_wide_pipeline_four_chunks_where_they_fit():
+def test_16_bit_keys_from_33_to_128_wide_pipeline_deeper_where_they_fit():
     """Pass 3 keeps four chunks of q, k and v in flight for bfloat16 keys 33 to 128 wide (160 KB
-    at D = 128), where the GPU's shared memory holds them (an H100/H200's; at D = 128 not an
-    A100's), except in the normalised forward; everything else keeps two."""
+    at D = 128), three for float16's, where the GPU's shared memory holds them (an H100/H200's;
+    at D = 128 in bfloat16 not an A100's), except in the normalised forward; everything else
+    keeps two."""
     h100, a100 = 232448, 166912
     for D, E, dtype, shared_memory, stages in ((128, 128, BF16, h100, 4), (65, 16, BF16, h100, 4),
                                                (128, 128, BF16, a100, 2), (64, 128, BF16, h100, 4),
                                                (64, 64, BF16, a100, 4), (33, 64, BF16, h100, 4),
-                                               (32, 64, BF16, h100, 2),
-                                               (256, 256, BF16, h100, 2), (128, 128, F16, h100, 2),
+                                               (32, 64, BF16, h100, 2), (64, 64, F16, h100, 3),
+                                               (256, 256, BF16, h100, 2), (128, 128, F16, h100, 3),
+                                               (256, 256, F16, h100, 2),
                                                (128, 128, F32, h100, 2)):
         config = scan.default_config(2, 16, 16384, D, E, dtype, 132, shared_memory=shared_memory)
         assert config["num_stages"] == stages, (D, E, dtype, shared_memory)
-        if stages == 4:
-            assert scan._pipelined_bytes(scan._block(D), config["BLOCK_E"], config["CHUNK"], 4, 2) <= shared_memory
+        if stages > 2:
+            assert scan._pipelined_bytes(scan._block(D), config["BLOCK_E"], config["CHUNK"], stages, 2) <= shared_memory
     q = torch.empty(2, 16, 16384, 128, dtype=BF16)
     assert scan._resolve_config(q, q, None)["num_stages"] == 4
     assert scan._resolve_config(q, q, None, normalized=True)["num_stages"] == 4  # the normalised backward's passes

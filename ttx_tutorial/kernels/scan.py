@@ -79,7 +79,8 @@ float32 "tf32x3" and "tf32", ``NORMALIZE``, ``NORMALIZER_GRADIENT`` and ``FEATUR
 included). Packed segments that straddle boundaries: the scan and packed-sequence test files
 on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
 its lengths within those the tests run; bfloat16's four stages at D = 33-128 and their segments
-of at most one program a multiprocessor: timed and the scan test files run on an H100 (Triton 3.6). With "elu" the kernels took
+of at most one program a multiprocessor, float16's three stages: timed and the scan test files
+run on an H100 (Triton 3.6). With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -1499,7 +1500,9 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
     the plain forward and forward+backward were 6-10 % faster with four stages, the normalised
     backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four stages
     gained only with the longer segments (7-30 % over the earlier rule at nine shapes from
-    (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md).
+    (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md). float16 keys 33 to 128 wide take
+    three (3-11 % faster forwards and 1-11 % forward+backward at four shapes on an H100; four
+    were slower); float32 keeps two (3xTF32 up to 2.2x slower with more).
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
@@ -1517,9 +1520,10 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
         chunk, state_entries, warps = 64, 8192, 4
     block_e = min(_block(E), 64, max(16, state_entries // block_d))
     stages = 2
-    if (dtype == torch.bfloat16 and 32 < block_d <= 128 and not denominator
-            and _pipelined_bytes(block_d, block_e, chunk, 4, 2) <= shared_memory):
-        stages = 4
+    deeper = {torch.bfloat16: 4, torch.float16: 3}.get(dtype)
+    if (deeper and 32 < block_d <= 128 and not denominator
+            and _pipelined_bytes(block_d, block_e, chunk, deeper, 2) <= shared_memory):
+        stages = deeper
     return {"CHUNK": chunk, "BLOCK_E": block_e, "num_warps": warps, "num_stages": stages}
 
 
