@@ -177,11 +177,11 @@ def test_through_causal_product(dtype):
 
 def test_segment_length_rule_on_the_main_benchmark_shape():
     """(1, 8, 65536, 64) in bfloat16: few heads, one long sequence. With the rule's four stages
-    pass 3 hides its own loads, so the rule gives the fewest segments that still keep at most
-    one program a multiprocessor of an H200 busy (4096 tokens, the fastest length of the
-    recorded sweep, benchmarks/NOTES.md); with two stages, about two programs a multiprocessor
-    (2048). Both keep the float32 states' traffic (each written and read about four times) under
-    a quarter of the q, k, v, o traffic."""
+    pass 3 hides its own loads, so the rule gives the fewest segments that still put at most one
+    program on each of an H100's or H200's 132 multiprocessors (4096 tokens, the fastest length
+    of the recorded sweep, benchmarks/NOTES.md); with two stages, about two programs a
+    multiprocessor (2048). Both keep the float32 states' traffic (each written and read about
+    four times) under a quarter of the q, k, v, o traffic."""
     B, H, T, D, E, sm_count = 1, 8, 65536, 64, 64, 132
     blocks = scan._default_blocks(D, E, BF16)
     e_blocks = -(-E // blocks["BLOCK_E"])
@@ -202,7 +202,7 @@ def test_segment_length_rule_on_the_main_benchmark_shape():
     (8, 16, 4096, 64, 4096),      # 128 heads fill the GPU alone: one segment
     (8, 16, 4096, 128, 4096),     # 256 programs: one segment
     (2, 16, 16384, 128, 8192),    # 64 programs a segment: two segments
-    (1, 4, 131072, 64, 4096),     # 32 segments of 4 programs: 128, not 33 x 4 = 132 rounded up
+    (1, 4, 131072, 64, 4096),     # at most 33 segments of 4 programs: 32 of 4096 tokens
     (1, 8, 4096, 64, 512),        # 16 segments
 ])
 def test_deep_pipeline_keeps_at_most_one_program_a_multiprocessor(B, H, T, D, expected):
