@@ -393,9 +393,30 @@ def check_packed_normalised_entry(entry, lengths, dtype, H=2, D=8, E=5):
         assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
 
 
+def dq_terms_norm(q, k, v, phi, eps, grad_out):
+    """The size in float64 of the two terms whose sum is the normalised attention's dq:
+    phi'(q_t) (S_t g_t) and phi'(q_t) (r_t z_t), with g_t = dO_t / d_t and r_t = -(g_t . out_t).
+    The output does not change when phi(q_t) is scaled, so the two cancel, by 10x at the median
+    of random draws at E = 256 and by 60x and more in the tail: a float32 kernel errs by the
+    rounding of the terms it adds, and its dq is measured against their size."""
+    q, k, v, grad_out = (float64(x) for x in (q, k, v, grad_out))
+    q.requires_grad_()
+    pq, pk = phi(q), phi(k)
+    (dphi,) = torch.autograd.grad(pq.sum(), q)
+    states = torch.cumsum(pk[..., :, None] * v[..., None, :], dim=2)          # S_t, (B, H, T, D, E)
+    key_sums = torch.cumsum(pk, dim=2)                                        # z_t
+    denominator = (pq * key_sums).sum(-1, keepdim=True) + eps
+    g = grad_out / denominator
+    out = torch.einsum("bhtd,bhtde->bhte", pq, states) / denominator
+    r = -(g * out).sum(-1, keepdim=True)
+    terms = torch.einsum("bhtde,bhte->bhtd", states, g).abs() + (r * key_sums).abs()
+    return float((dphi * terms).detach().norm())
+
+
 def check_widest_values_normalise(method, T=6, D=4):
     """E = 256, where a ones column would not fit (E + 1 values): ``method``'s kernels carry the
-    normaliser beside the state, forward and backward, against float64."""
+    normaliser beside the state, forward and backward, against float64 (dq against the size of
+    its two terms, ``dq_terms_norm``)."""
     phi = lambda x: F.elu(x) + 1  # noqa: E731
     q, k, v = random_inputs(1, 1, T, D, 256, requires_grad=True)
     with poisoned_allocations():
@@ -405,7 +426,11 @@ def check_widest_values_normalise(method, T=6, D=4):
     expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
     assert_close(out, expected, torch.float32)
     for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        assert_close(leaf.grad, grad, torch.float32, f"d{label}")
+        if label == "q":
+            error = relative_error(leaf.grad, grad) * float(grad.norm()) / dq_terms_norm(q, k, v, phi, 1e-6, grad_out)
+            assert error <= TOLERANCES[torch.float32], f"dq: {error:.3e} of its terms' size"
+        else:
+            assert_close(leaf.grad, grad, torch.float32, f"d{label}")
 
 
 def check_gradients_of_values_far_from_zero(entry, dtype, T, D, E, config, what):
