@@ -97,6 +97,7 @@ def check_against_reference(method, feature, dtype, *, B=1, H=2, T=37, D=16, E=8
     assert out.dtype == dtype and out.shape == (B, H, T, E)
     expected, _ = reference_attention(q, k, v, phi, normalize, eps)
     assert_close(out, expected, dtype, f"{method}/{feature} output")
+    terms = gradient_terms_norms(q, k, v, phi, eps, grad_out) if normalize else None
     for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, normalize, eps, grad_out)):
         if label == "q" and normalize and dtype == torch.bfloat16:
             # The output does not change when phi(q_t) is scaled, so dq is the difference of two
@@ -104,6 +105,9 @@ def check_against_reference(method, feature, dtype, *, B=1, H=2, T=37, D=16, E=8
             # amplified: PyTorch's own bfloat16 arithmetic of this formula errs by about 3e-2 too.
             error = relative_error(leaf.grad, grad)
             assert error <= NORMALISED_BF16_DQ_TOLERANCE, f"{method}/{feature} dq: {error:.3e}"
+        elif label in "qk" and normalize:
+            error = error_of_the_terms(leaf.grad, grad, terms["qk".index(label)])
+            assert error <= TOLERANCES[dtype], f"{method}/{feature} d{label}: {error:.3e} of its terms' size"
         else:
             assert_close(leaf.grad, grad, dtype, f"{method}/{feature} d{label}")
 
@@ -393,30 +397,42 @@ def check_packed_normalised_entry(entry, lengths, dtype, H=2, D=8, E=5):
         assert_close(s0.grad[n:n + 1], expected_grads[3], dtype, f"sequence {n} dS0")
 
 
-def dq_terms_norm(q, k, v, phi, eps, grad_out):
-    """The size in float64 of the two terms whose sum is the normalised attention's dq:
-    phi'(q_t) (S_t g_t) and phi'(q_t) (r_t z_t), with g_t = dO_t / d_t and r_t = -(g_t . out_t).
-    The output does not change when phi(q_t) is scaled, so the two cancel, by 10x at the median
-    of random draws at E = 256 and by 60x and more in the tail: a float32 kernel errs by the
-    rounding of the terms it adds, and its dq is measured against their size."""
-    q, k, v, grad_out = (float64(x) for x in (q, k, v, grad_out))
-    q.requires_grad_()
+def gradient_terms_norms(q, k, v, phi, eps, grad_out):
+    """The sizes in float64 of the two terms whose sum is each of the normalised attention's
+    dq and dk. With w_ts = phi(q_t) . phi(k_s), g_t = dO_t / d_t and r_t = -(g_t . out_t):
+    dq_t = phi'(q_t) sum_{s<=t} (g_t . v_s + r_t) phi(k_s) and dk_s = phi'(k_s) sum_{t>=s}
+    (g_t . v_s + r_t) phi(q_t), each split into its g . v part and its r part. The output does
+    not change when phi(q_t) is scaled and moves with v_s only as far as v_s differs from out_t,
+    so the parts cancel (at E = 256 by 10x at the median of random draws, by 60x and more in the
+    tail; with relu, whose features vanish, as much): a float32 kernel errs by the rounding of
+    the parts it adds, and dq and dk are measured against their size. Returns (for dq, for dk)."""
+    q, k, v, grad_out = (float64(x).requires_grad_(i < 2) for i, x in enumerate((q, k, v, grad_out)))
     pq, pk = phi(q), phi(k)
-    (dphi,) = torch.autograd.grad(pq.sum(), q)
-    states = torch.cumsum(pk[..., :, None] * v[..., None, :], dim=2)          # S_t, (B, H, T, D, E)
-    key_sums = torch.cumsum(pk, dim=2)                                        # z_t
-    denominator = (pq * key_sums).sum(-1, keepdim=True) + eps
+    dphi_q, dphi_k = torch.autograd.grad(pq.sum() + pk.sum(), (q, k))
+    pq, pk = pq.detach(), pk.detach()
+    T = q.shape[2]
+    causal = torch.ones(T, T, dtype=torch.float64).tril()                       # [t, s]: s <= t
+    weights = (pq @ pk.transpose(-1, -2)) * causal
+    denominator = weights.sum(-1, keepdim=True) + eps
+    out = weights @ v / denominator
     g = grad_out / denominator
-    out = torch.einsum("bhtd,bhtde->bhte", pq, states) / denominator
-    r = -(g * out).sum(-1, keepdim=True)
-    terms = torch.einsum("bhtde,bhte->bhtd", states, g).abs() + (r * key_sums).abs()
-    return float((dphi * terms).detach().norm())
+    r = -(g * out).sum(-1, keepdim=True)                                        # (B, H, T, 1)
+    g_dot_v = (g @ v.transpose(-1, -2)) * causal                                # [t, s] = g_t . v_s
+    r_part = r * causal
+    q_terms = (g_dot_v @ pk).abs() + (r_part @ pk).abs()
+    k_terms = (g_dot_v.transpose(-1, -2) @ pq).abs() + (r_part.transpose(-1, -2) @ pq).abs()
+    return float((dphi_q * q_terms).norm()), float((dphi_k * k_terms).norm())
+
+
+def error_of_the_terms(gradient, expected, terms_norm):
+    """||gradient - expected|| over the size of the terms that make it (inf where not finite)."""
+    return relative_error(gradient, expected) * float(float64(expected).norm()) / terms_norm
 
 
 def check_widest_values_normalise(method, T=6, D=4):
     """E = 256, where a ones column would not fit (E + 1 values): ``method``'s kernels carry the
-    normaliser beside the state, forward and backward, against float64 (dq against the size of
-    its two terms, ``dq_terms_norm``)."""
+    normaliser beside the state, forward and backward, against float64 (dq and dk against the
+    size of their terms, ``gradient_terms_norms``)."""
     phi = lambda x: F.elu(x) + 1  # noqa: E731
     q, k, v = random_inputs(1, 1, T, D, 256, requires_grad=True)
     with poisoned_allocations():
@@ -425,10 +441,11 @@ def check_widest_values_normalise(method, T=6, D=4):
         out.backward(grad_out)
     expected, _ = reference_attention(q, k, v, phi, True, 1e-6)
     assert_close(out, expected, torch.float32)
+    terms = gradient_terms_norms(q, k, v, phi, 1e-6, grad_out)
     for label, leaf, grad in zip("qkv", (q, k, v), reference_gradients(q, k, v, phi, True, 1e-6, grad_out)):
-        if label == "q":
-            error = relative_error(leaf.grad, grad) * float(grad.norm()) / dq_terms_norm(q, k, v, phi, 1e-6, grad_out)
-            assert error <= TOLERANCES[torch.float32], f"dq: {error:.3e} of its terms' size"
+        if label in "qk":
+            error = error_of_the_terms(leaf.grad, grad, terms["qk".index(label)])
+            assert error <= TOLERANCES[torch.float32], f"d{label}: {error:.3e} of its terms' size"
         else:
             assert_close(leaf.grad, grad, torch.float32, f"d{label}")
 
