@@ -1500,9 +1500,10 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
     the plain forward and forward+backward were 6-10 % faster with four stages, the normalised
     backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four stages
     gained only with the longer segments (8-34 % forward and 4-22 % forward+backward over the
-    earlier rule at nine shapes from (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md). float16 keys 33 to 128 wide take
-    three (3-11 % faster forwards and 1-11 % forward+backward at four shapes on an H100; four
-    were slower); float32 keeps two (3xTF32 up to 2.2x slower with more).
+    earlier rule at nine shapes from (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md).
+    float16 keys 33 to 128 wide take three (3-11 % faster forwards and 1-11 % forward+backward
+    at four shapes on an H100; four were slower); float32 keeps two (3xTF32 up to 2.2x slower
+    with more).
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
