@@ -402,9 +402,9 @@ def gradient_terms_norms(q, k, v, phi, eps, grad_out):
     dq_t = phi'(q_t) sum_{s<=t} (g_t . v_s + r_t) phi(k_s) and dk_s = phi'(k_s) sum_{t>=s}
     (g_t . v_s + r_t) phi(q_t), each split into its g . v part and its r part. The output does
     not change when phi(q_t) is scaled and moves with v_s only as far as v_s differs from out_t,
-    so the parts cancel (at E = 256 by 10x at the median of random draws, by 60x and more in the
-    tail; with relu, whose features vanish, as much): a float32 kernel errs by the rounding of
-    the parts it adds, and dq and dk are measured against their size. Returns (for dq, for dk)."""
+    so the parts cancel (most at large E, and with relu, whose features vanish): a float32 kernel
+    errs by the rounding of the parts it adds, and dq and dk are measured against their size.
+    Returns (for dq, for dk)."""
     q, k, v, grad_out = (float64(x).requires_grad_(i < 2) for i, x in enumerate((q, k, v, grad_out)))
     pq, pk = phi(q), phi(k)
     dphi_q, dphi_k = torch.autograd.grad(pq.sum() + pk.sum(), (q, k))

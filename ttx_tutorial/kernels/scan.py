@@ -1495,15 +1495,11 @@ def _default_blocks(D, E, dtype, precision="tf32x3", shared_memory=_NOMINAL_LIMI
         (``benchmarks/float32_sweep.py``; figures in benchmarks/NOTES.md).
     Two stages let the loads of the next chunk overlap the products of this one. bfloat16 keys
     from 33 to 128 wide take four where they fit ``shared_memory`` (160 KB of loads in flight at
-    D = 128, 96 KB at D = 64), except in the normalised forward, and with them segments about
-    twice as long (``_segment_length``): at (2, 16, 16384, 128) and (8, 16, 4096, 128) on an H100
-    the plain forward and forward+backward were 6-10 % faster with four stages, the normalised
-    backward's passes 3-5 %, but the normalised forward 27-36 % slower; at D = 64 four stages
-    gained only with the longer segments (8-34 % forward and 4-22 % forward+backward over the
-    earlier rule at nine shapes from (8, 16, 4096) to (1, 4, 131072), benchmarks/NOTES.md).
-    float16 keys 33 to 128 wide take three (3-11 % faster forwards and 1-11 % forward+backward
-    at four shapes on an H100; four were slower); float32 keeps two (3xTF32 up to 2.2x slower
-    with more).
+    D = 128, 96 KB at D = 64), except in the normalised forward, which four made slower, and
+    with them segments about twice as long (``_segment_length``), without which four stages
+    gained nothing at D = 64. float16 keys 33 to 128 wide take three (four were slower); float32
+    keeps two (3xTF32 is slower with more). The timings behind each choice are in
+    benchmarks/NOTES.md.
     """
     block_d = _block(D)
     if dtype == torch.float32 and precision == "tf32" and 64 < block_d <= 128:
