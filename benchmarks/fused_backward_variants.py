@@ -11,6 +11,12 @@ launch keywords updated by each variant, timed as the GPU's time of a CUDA-graph
 (on features mapped beforehand) and "elu" (the same taking dq and dk through elu + 1's
 derivative). Each variant's dq, dk, dv and dS_0 are compared with the rule's (relative
 difference; a variant that computes differently, such as another CHUNK, rounds differently).
+
+``--profile`` times nothing: it runs each kind's rule twice (compiling it), then once more between
+``torch.cuda.profiler.start()`` and ``stop()``, for a profiler told to wait for that range:
+
+    ncu --clock-control none --profile-from-start off --set full --import-source yes -o backward \
+        python benchmarks/fused_backward_variants.py --profile --shapes 8,16,4096,64 --kinds plain,normalised
 """
 
 from __future__ import annotations
@@ -58,9 +64,24 @@ def main():
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--variants", default='[{}, {"SPLIT_WALKS": false}, {"SPLIT_WALKS": true}]',
                         help="JSON list of launch-keyword updates; {} is the rule")
+    parser.add_argument("--profile", action="store_true",
+                        help="launch each kind's rule once inside a profiler range instead of timing variants")
     args = parser.parse_args()
     if not ttx_tutorial.on_gpu():
         print("fused_backward_variants.py times launches on a GPU")
+        return 0
+    if args.profile:
+        calls = [backward_call(tuple(int(x) for x in text.split(",")), kind)
+                 for text in args.shapes for kind in args.kinds.split(",")]
+        for call, rule in calls:
+            for _ in range(2):
+                call(dict(rule))
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for call, rule in calls:
+            call(dict(rule))
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
         return 0
     variants = json.loads(args.variants)
     print(ttx_tutorial.describe())
