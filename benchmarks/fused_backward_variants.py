@@ -70,9 +70,10 @@ def main():
     if not ttx_tutorial.on_gpu():
         print("fused_backward_variants.py times launches on a GPU")
         return 0
+    shapes = [tuple(int(x) for x in text.split(",")) for text in args.shapes]
+    kinds = args.kinds.split(",")
     if args.profile:
-        calls = [backward_call(tuple(int(x) for x in text.split(",")), kind)
-                 for text in args.shapes for kind in args.kinds.split(",")]
+        calls = [backward_call(shape, kind) for shape in shapes for kind in kinds]
         for call, rule in calls:
             for _ in range(2):
                 call(dict(rule))
@@ -85,9 +86,8 @@ def main():
         return 0
     variants = json.loads(args.variants)
     print(ttx_tutorial.describe())
-    for text in args.shapes:
-        shape = tuple(int(x) for x in text.split(","))
-        for kind in args.kinds.split(","):
+    for shape in shapes:
+        for kind in kinds:
             call, rule = backward_call(shape, kind)
             reference = [x.clone() for x in call(rule)]
             print(f"{shape} {kind}: rule {json.dumps({k: v for k, v in rule.items() if k not in ('INTERPRETED',)})}")
