@@ -411,3 +411,32 @@ def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory)
         for D, E in ((1, 1), (16, 64), (64, 64)):
             fused = chunked.fused_backward_config(D, E, dtype, shared_memory=shared_memory)
             assert chunked._fused_backward_shared_memory(fused, dtype) <= shared_memory
+
+
+@pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
+def test_normalized_backward_dz_per_chunk_matches_the_carried_dz(with_final_grad, device, monkeypatch):
+    """bfloat16 with the r kernel's 64-token chunks: the reverse walk reads dz after each chunk
+    (``chunk_suffix_sums_kernel``) instead of carrying it. Its gradients and dS_0 (z column
+    included) agree with the carried dz's, which a different chunk size of the r kernel selects,
+    to float32's summation order, across a partial last chunk and with G's z column or without."""
+    T, D, E = 3 * 64 + 5, 16, 24
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=21, initial_state=True)
+    q, k = q.abs(), k.abs()
+    s0 = torch.cat([s0, torch.rand(1, 2, D, 1, device=device)], dim=-1)
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(22)).to(device, q.dtype)
+    grad_final_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(23)).to(device)
+
+    def gradients():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+        with poisoned_allocations():
+            o, state = chunked._run_normalized_validated(*leaves, 1e-6)
+            torch.autograd.backward((o, state) if with_final_grad else (o,),
+                                    (grad_o, grad_final_state) if with_final_grad else (grad_o,))
+        return [x.grad for x in leaves]
+
+    per_chunk = gradients()
+    monkeypatch.setattr(chunked, "NORMALIZER_GRADIENT_TOKENS", 32)
+    carried = gradients()
+    for name, a, b in zip(("dq", "dk", "dv", "dS0"), per_chunk, carried):
+        assert a.isfinite().all(), name
+        assert relative_error(a.float(), b.float()) < (1e-5 if name == "dS0" else 1e-2), name

@@ -393,8 +393,10 @@ def _default_16bit_head(call, head_dims=(64, 128)):
 
 #: Kernels without products: the segment table of packed sequences (scan_segments_kernel), the
 #: normalised backward's r_t (normalizer_gradient_kernel), one elementwise read each, and its
-#: terms after the passes (normalizer_terms_kernel), a walk of running sums.
-WITHOUT_PRODUCTS = ("scan_segments_kernel", "normalizer_gradient_kernel", "normalizer_terms_kernel")
+#: terms after the passes (normalizer_terms_kernel) and dz per chunk (chunk_suffix_sums_kernel),
+#: walks of running sums.
+WITHOUT_PRODUCTS = ("scan_segments_kernel", "normalizer_gradient_kernel", "normalizer_terms_kernel",
+                    "chunk_suffix_sums_kernel")
 
 #: Instructions the speed of a launch depends on: (family, target, which launches, what must hold).
 EXPECTED_INSTRUCTIONS = [

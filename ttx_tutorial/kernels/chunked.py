@@ -22,7 +22,10 @@ sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t 
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
 and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
 ``normalizer_gradient_kernel`` (for the three passes, g beside it, and ``normalizer_terms_kernel``
-adds r_t z_t to their dQ and dz to their dK in one walk each). ``FEATURE_MAP`` ("elu" or "relu",
+adds r_t z_t to their dQ and dz to their dK in one walk each). dz after each chunk, the sum of
+r_t q_t over the later tokens that every dk_s receives, is made before the fused walks for
+bfloat16 with 64-token chunks (the r kernel's sums per chunk, then ``chunk_suffix_sums_kernel``),
+so the reverse walk reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu" or "relu",
 with q and k the features of raw inputs that map made beforehand): the backward takes the map's
 derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which are then
 the raw inputs' gradients (``_run_normalized_validated(features=)``).
@@ -205,13 +208,18 @@ def normalizer_gradient_kernel(
     denominator_ptr,                # the forward's d_t + eps (B, H, T) float32, contiguous
     grad_denominator_ptr,           # r (B, H, T) float32, contiguous, written
     numerator_ptr,                  # g (B, H, T, E) contiguous, written if WRITE_NUMERATOR
-    T, H, E,
+    q_ptr,                          # WRITE_CHUNK_SUMS: q (B, H, T, D)
+    chunk_sums_ptr,                 # WRITE_CHUNK_SUMS: sum of r_t q_t over each BLOCK_T tokens (B, H, NC, D), written
+    T, H, E, D,
     stride_dob, stride_doh, stride_dot, stride_doe,
     stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_qb, stride_qh, stride_qt, stride_qd,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,          # >= E: r sums over every value column
+    BLOCK_D: tl.constexpr,          # >= D where WRITE_CHUNK_SUMS
     INTERPRETED: tl.constexpr,
     WRITE_NUMERATOR: tl.constexpr,  # the backward in passes: they take g as an input
+    WRITE_CHUNK_SUMS: tl.constexpr,  # the fused backward with chunks of BLOCK_T tokens: dz's per-chunk terms
 ):
     """The denominator's gradient r_t = -(g_t . out_t) for BLOCK_T tokens of one (batch, head),
     g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
@@ -232,9 +240,48 @@ def normalizer_gradient_kernel(
                   mask=mask, other=0.0)
     row = pid_bh.to(tl.int64) * T
     b_g = _numerator_gradient(b_do, denominator_ptr + row, offs_t, mask_t, MIXED_DTYPE, tl.float32, INTERPRETED)
-    tl.store(grad_denominator_ptr + row + offs_t, -tl.sum(b_g * b_o.to(tl.float32), 1), mask=mask_t)
+    b_grad_denominator = -tl.sum(b_g * b_o.to(tl.float32), 1)
+    tl.store(grad_denominator_ptr + row + offs_t, b_grad_denominator, mask=mask_t)
+    if WRITE_CHUNK_SUMS:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        b_q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        b_weighted = tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
+        tl.store(chunk_sums_ptr + (pid_bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D + offs_d,
+                 b_weighted, mask=mask_d)
     if WRITE_NUMERATOR:
         tl.store(numerator_ptr + (row + offs_t[:, None]) * E + offs_e[None, :], b_g, mask=mask)
+
+
+@triton.jit
+def chunk_suffix_sums_kernel(
+    chunk_sums_ptr,                 # sum of r_t q_t over each chunk (B, H, NC, D) float32, contiguous
+    g_ptr,                          # G (B, H, D, E + 1) float32: its z column read if has_final_grad
+    suffix_ptr,                     # dz after each chunk (B, H, NC, D) float32, contiguous, written
+    ds0_ptr,                        # dS_0 (B, H, D, E + 1) float32, contiguous: its z column written
+    num_chunks, H, D, E, has_final_grad,
+    stride_gb, stride_gh, stride_gd, stride_ge,
+    BLOCK_D: tl.constexpr,
+):
+    """For one (batch, head): dz_c = G_z + the chunk sums of every later chunk, for each chunk c,
+    and dz_0 = G_z + all of them (dS_0's z column). The fused backward's reverse walk then adds
+    dz_c to its chunk's dK instead of carrying dz, which would cost it registers it has not got."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if has_final_grad:
+        b_dz = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
+                       other=0.0)
+    rows = pid_bh.to(tl.int64) * num_chunks * D
+    for i in range(num_chunks):
+        chunk = num_chunks - 1 - i
+        tl.store(suffix_ptr + rows + chunk * D + offs_d, b_dz, mask=mask_d)
+        b_dz += tl.load(chunk_sums_ptr + rows + chunk * D + offs_d, mask=mask_d, other=0.0)
+    tl.store(ds0_ptr + pid_bh.to(tl.int64) * D * (E + 1) + offs_d * (E + 1) + E, b_dz, mask=mask_d)
 
 
 @triton.jit
@@ -456,6 +503,7 @@ def _key_value_gradients_token_by_token(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_
 
 @triton.jit
 def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr, denominator_ptr, g_ptr, ds0_ptr,
+                  suffix_ptr,
                   cu_seqlens_ptr, q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg, grad_denominator_arg,
                   denominator_arg, g_arg, b, h, pid_bh, T, H, D, E, has_final_grad, num_chunks,
                   stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
@@ -464,7 +512,8 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
                   stride_gb, stride_gh, stride_gd, stride_ge,
                   BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr,
                   COMPENSATED: tl.constexpr, IS_VARLEN: tl.constexpr, NORMALIZE: tl.constexpr,
-                  FEATURE_MAP: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+                  FEATURE_MAP: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
+                  SUFFIX_GIVEN: tl.constexpr):
     """``chunked_backward_kernel``'s reverse walk (its comments give the algebra): dK (WANT_DK)
     and dV (WANT_DV) of one (batch, head), carrying R = G + sum of Q^T dO over the later chunks
     either way. The walk that makes dV writes dS_0's E columns, the one that makes dK its z
@@ -553,7 +602,10 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
             b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
             b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
                           acc=b_dk, input_precision=FLOAT32_PRECISION)
-            if NORMALIZE:
+            if NORMALIZE and SUFFIX_GIVEN:  # dz after this chunk, from chunk_suffix_sums_kernel
+                b_dk += tl.load(suffix_ptr + (pid_bh.to(tl.int64) * num_chunks + num_chunks - 1 - i) * D + offs_d,
+                                mask=mask_d, other=0.0)[None, :]
+            elif NORMALIZE:
                 b_dk += b_dz[None, :]
                 b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
@@ -575,7 +627,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
     ds0_ptr += pid_bh.to(tl.int64) * D * state_width
     if WANT_DV:
         tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
-    if NORMALIZE and WANT_DK:
+    if NORMALIZE and WANT_DK and not SUFFIX_GIVEN:  # else chunk_suffix_sums_kernel wrote it
         tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
     if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in this walk's dK_c or dV_c: redo them from G
@@ -759,6 +811,7 @@ def chunked_backward_kernel(
     g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32, read when has_final_grad
     ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
                                     # (the three states have E + 1 columns, z last, when NORMALIZE)
+    suffix_ptr,                     # SUFFIX_GIVEN: dz after each chunk (B, H, NC, D) float32 (chunk_suffix_sums_kernel)
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
     compute_dq,                     # 0: no forward walk (q needs no gradient; dq_ptr unused), a grid
@@ -784,6 +837,7 @@ def chunked_backward_kernel(
     FEATURE_MAP: tl.constexpr,      # "identity", or the map that made q and k (features): dq and dk
                                     # are taken through its derivative before they are stored
     SPLIT_WALKS: tl.constexpr,      # the reverse walk as two programs, one for dV and one for dK
+    SUFFIX_GIVEN: tl.constexpr = False,  # NORMALIZE: dz per chunk read from suffix_ptr, not carried
 ):
     """The whole backward of one (batch, head) in its row of programs: with compute_dq, program 0
     walks forward for dQ and the next one(s) backwards for dK, dV and dS_0; without, the reverse
@@ -920,6 +974,7 @@ def chunked_backward_kernel(
     # The reverse walk(s), the row's last program(s): dK, dV and dS_0. Their arguments as passed
     # and as offset above, the strides, and the constexprs.
     walk_args = (q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_ptr, denominator_ptr, g_ptr, ds0_ptr,
+                 suffix_ptr,
                  cu_seqlens_ptr, q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg, grad_denominator_arg,
                  denominator_arg, g_arg, b, h, pid_bh, T, H, D, E, has_final_grad, num_chunks,
                  stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
@@ -930,13 +985,13 @@ def chunked_backward_kernel(
         if tl.program_id(1) >= compute_dq:
             if tl.program_id(1) == compute_dq:
                 _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                              FEATURE_MAP, False, True)
+                              FEATURE_MAP, False, True, SUFFIX_GIVEN)
             else:
                 _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                              FEATURE_MAP, True, False)
+                              FEATURE_MAP, True, False, SUFFIX_GIVEN)
     elif tl.program_id(1) == tl.num_programs(1) - 1:
         _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                      FEATURE_MAP, True, True)
+                      FEATURE_MAP, True, True, SUFFIX_GIVEN)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -1256,11 +1311,17 @@ def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normal
 NORMALIZER_GRADIENT_TOKENS = 64
 
 
-def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False):
+def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None):
     """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``), and with
-    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32."""
+    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32.
+    With ``q``, (r, chunk sums): the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens,
+    (B, H, NC, D) float32."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
+    chunk_sums = None
+    if q is not None:
+        chunk_sums = torch.empty((B, H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS), q.shape[-1]),
+                                 dtype=torch.float32, device=o.device)
     numerator = None
     if with_numerator:
         numerator = torch.empty((B, H, T, E), device=o.device,
@@ -1268,9 +1329,14 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False):
     with _launch_guard():
         normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
             grad_o, o, denominator, grad_denominator, grad_denominator if numerator is None else numerator,
-            T, H, E, *grad_o.stride(), *o.stride(),
-            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), INTERPRETED=triton.knobs.runtime.interpret,
-            WRITE_NUMERATOR=with_numerator)
+            grad_o if q is None else q, grad_denominator if chunk_sums is None else chunk_sums,
+            T, H, E, 1 if q is None else q.shape[-1], *grad_o.stride(), *o.stride(),
+            *(grad_o if q is None else q).stride(),
+            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
+            INTERPRETED=triton.knobs.runtime.interpret, WRITE_NUMERATOR=with_numerator,
+            WRITE_CHUNK_SUMS=q is not None)
+    if q is not None:
+        return grad_denominator, chunk_sums
     return (grad_denominator, numerator) if with_numerator else grad_denominator
 
 
@@ -1319,18 +1385,30 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     dq_arg = dk if dq is None else dq
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
-    if normalize:
+    # bfloat16 chunks of the r kernel's size: dz per chunk made before the walks (chunk_suffix_sums_kernel).
+    suffix_given = (normalize and q.dtype == torch.bfloat16 and cu_seqlens is None
+                    and launch_keywords["CHUNK"] == NORMALIZER_GRADIENT_TOKENS)
+    suffix = ds0
+    if suffix_given:
+        grad_denominator, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
+        suffix = torch.empty_like(chunk_sums)
+        with _launch_guard():
+            chunk_suffix_sums_kernel[(B * H,)](
+                chunk_sums, g_arg, suffix, ds0, chunk_sums.shape[2], H, D, E, int(grad_final_state is not None),
+                *g_arg.stride(), BLOCK_D=_block(D))
+    elif normalize:
         grad_denominator = _normalizer_gradient(grad_o, o, denominator)
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
         chunked_backward_kernel[(B * H, 1 + int(launch_keywords["SPLIT_WALKS"]) + int(compute_dq))](
-            q, k, v, grad_o, grad_denominator, denominator, dq_arg, dk, dv, s0_arg, g_arg, ds0,
+            q, k, v, grad_o, grad_denominator, denominator, dq_arg, dk, dv, s0_arg, g_arg, ds0, suffix,
             ds0 if cu_seqlens is None else cu_seqlens, T, H, D, E,
             int(compute_dq), int(initial_state is not None), int(grad_final_state is not None),
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
             IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, FEATURE_MAP=feature_map, **launch_keywords,
+            SUFFIX_GIVEN=suffix_given,
         )
     return dq, dk, dv, ds0
 
