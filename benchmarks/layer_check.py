@@ -283,6 +283,12 @@ def main():
             ratio(("fla_fused_chunk", "fwd"), ("normalised", "fwd"), "ms"),
         "fla fused_chunk / normalised, fwd+bwd, per call (target >= 3)":
             ratio(("fla_fused_chunk", "fwd+bwd"), ("normalised", "fwd+bwd"), "ms"),
+        "fla fused_chunk / normalised_mapped (the same features in), fwd, per call":
+            ratio(("fla_fused_chunk", "fwd"), ("normalised_mapped", "fwd"), "ms"),
+        "fla fused_chunk / normalised_mapped (the same features in), fwd+bwd, per call":
+            ratio(("fla_fused_chunk", "fwd+bwd"), ("normalised_mapped", "fwd+bwd"), "ms"),
+        "normalised_mapped / plain, fwd+bwd, GPU time":
+            ratio(("normalised_mapped", "fwd+bwd"), ("plain", "fwd+bwd"), "gpu_ms"),
         "compiled plain / plain, fwd+bwd, GPU time": ratio(("compiled_plain", "fwd+bwd"), ("plain", "fwd+bwd"), "gpu_ms"),
         "compiled normalised / normalised, fwd+bwd, GPU time":
             ratio(("compiled_normalised", "fwd+bwd"), ("normalised", "fwd+bwd"), "gpu_ms"),
