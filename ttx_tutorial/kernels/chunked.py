@@ -225,7 +225,9 @@ def normalizer_gradient_kernel(
     g_t = dO_t / (d_t + eps) rounded as the backward's products take it (bfloat16 for bfloat16
     inputs), so that the score gradients g_t . v_s + r_t cancel where they should (v_s ~ out_t).
     FlashAttention's backward starts the same way (the row sums of dO * O): one read of dO and o
-    here spares the backward's walks a tile of o a chunk, a load their pipeline left waiting."""
+    here spares the backward's walks a tile of o a chunk, a load their pipeline left waiting.
+    WRITE_CHUNK_SUMS: also sum_t r_t q_t over the BLOCK_T tokens, one chunk of the fused
+    backward, from which ``chunk_suffix_sums_kernel`` makes dz after each chunk."""
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if do_ptr.dtype.element_ty == tl.bfloat16 else tl.float32
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
