@@ -25,10 +25,10 @@ and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r ma
 adds r_t z_t to their dQ and dz to their dK in one walk each). dz after each chunk, the sum of
 r_t q_t over the later tokens that every dk_s receives, is made before the fused walks for
 bfloat16 with 64-token chunks (the r kernel's sums per chunk, then ``chunk_suffix_sums_kernel``),
-so the reverse walk reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu" or "relu",
-with q and k the features of raw inputs that map made beforehand): the backward takes the map's
-derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which are then
-the raw inputs' gradients (``_run_normalized_validated(features=)``).
+so the reverse walk reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu"
+or "relu", with q and k the features of raw inputs that map made beforehand): the backward takes
+the map's derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which
+are then the raw inputs' gradients (``_run_normalized_validated(features=)``).
 
 Shapes: q, k (B, H, T, D); v, o (B, H, T, E); states (B, H, D, E) float32; any strides; T >= 0
 (a partial last chunk is masked); 1 <= D, E <= 256 (blocks are powers of two >= 16, the smallest
