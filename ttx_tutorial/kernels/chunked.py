@@ -265,25 +265,36 @@ def chunk_suffix_sums_kernel(
     num_chunks, H, D, E, has_final_grad,
     stride_gb, stride_gh, stride_gd, stride_ge,
     BLOCK_D: tl.constexpr,
+    SCAN_CHUNKS: tl.constexpr,      # chunks one step of the scan takes
 ):
     """For one (batch, head): dz_c = G_z + the chunk sums of every later chunk, for each chunk c,
     and dz_0 = G_z + all of them (dS_0's z column). The fused backward's reverse walk then adds
-    dz_c to its chunk's dK instead of carrying dz, which would cost it registers it has not got."""
+    dz_c to its chunk's dK instead of carrying dz, which would cost it registers it has not got.
+    Each step takes SCAN_CHUNKS chunks from the end: row c holds chunk c + 1's sum, so a reversed
+    inclusive cumsum of the rows sums the chunks after c up to the next step's first, and the carry
+    (dz after that chunk, row 0 of the step before) adds everything later."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
+    offs_c = tl.arange(0, SCAN_CHUNKS)
+    b_carry = tl.zeros([BLOCK_D], dtype=tl.float32)
     if has_final_grad:
-        b_dz = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
-                       other=0.0)
+        b_carry = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
+                          other=0.0)
     rows = pid_bh.to(tl.int64) * num_chunks * D
-    for i in range(num_chunks):
-        chunk = num_chunks - 1 - i
-        tl.store(suffix_ptr + rows + chunk * D + offs_d, b_dz, mask=mask_d)
-        b_dz += tl.load(chunk_sums_ptr + rows + chunk * D + offs_d, mask=mask_d, other=0.0)
-    tl.store(ds0_ptr + pid_bh.to(tl.int64) * D * (E + 1) + offs_d * (E + 1) + E, b_dz, mask=mask_d)
+    for i in range(tl.cdiv(num_chunks, SCAN_CHUNKS)):
+        chunks = (tl.cdiv(num_chunks, SCAN_CHUNKS) - 1 - i) * SCAN_CHUNKS + offs_c
+        later = chunks + 1  # the step's last row reads the next step's first chunk, which the carry lacks
+        b_later = tl.load(chunk_sums_ptr + rows + later[:, None] * D + offs_d[None, :],
+                          mask=(later < num_chunks)[:, None] & mask_d[None, :], other=0.0)
+        b_suffix = b_carry[None, :] + tl.cumsum(b_later, 0, reverse=True)
+        tl.store(suffix_ptr + rows + chunks[:, None] * D + offs_d[None, :], b_suffix,
+                 mask=(chunks < num_chunks)[:, None] & mask_d[None, :])
+        b_carry = tl.sum(tl.where((offs_c == 0)[:, None], b_suffix, 0.0), 0)
+    b_first = tl.load(chunk_sums_ptr + rows + offs_d, mask=mask_d, other=0.0)
+    tl.store(ds0_ptr + pid_bh.to(tl.int64) * D * (E + 1) + offs_d * (E + 1) + E, b_carry + b_first, mask=mask_d)
 
 
 @triton.jit
@@ -1342,6 +1353,10 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None
     return (grad_denominator, numerator) if with_numerator else grad_denominator
 
 
+#: Chunks one step of ``chunk_suffix_sums_kernel``'s scan takes.
+SUFFIX_SCAN_CHUNKS = 64
+
+
 #: Tokens and columns a program of ``normalizer_terms_kernel`` takes.
 NORMALIZER_TERMS_TOKENS, NORMALIZER_TERMS_COLUMNS = 64, 32
 
@@ -1397,7 +1412,7 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
         with _launch_guard():
             chunk_suffix_sums_kernel[(B * H,)](
                 chunk_sums, g_arg, suffix, ds0, chunk_sums.shape[2], H, D, E, int(grad_final_state is not None),
-                *g_arg.stride(), BLOCK_D=_block(D))
+                *g_arg.stride(), BLOCK_D=_block(D), SCAN_CHUNKS=SUFFIX_SCAN_CHUNKS)
     elif normalize:
         grad_denominator = _normalizer_gradient(grad_o, o, denominator)
     else:
