@@ -1325,10 +1325,10 @@ NORMALIZER_GRADIENT_TOKENS = 64
 
 
 def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None):
-    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``), and with
-    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32.
-    With ``q``, (r, chunk sums): the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens,
-    (B, H, NC, D) float32."""
+    """(r, g, chunk sums) of the normalised backward (``normalizer_gradient_kernel``): r (B, H, T)
+    float32; with ``with_numerator``, g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else
+    float32; with ``q``, the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens, (B, H, NC, D)
+    float32. Each of the last two is None where it was not asked for."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
     chunk_sums = None
@@ -1348,9 +1348,7 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None
             BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
             INTERPRETED=triton.knobs.runtime.interpret, WRITE_NUMERATOR=with_numerator,
             WRITE_CHUNK_SUMS=q is not None)
-    if q is not None:
-        return grad_denominator, chunk_sums
-    return (grad_denominator, numerator) if with_numerator else grad_denominator
+    return grad_denominator, numerator, chunk_sums
 
 
 #: Chunks one step of ``chunk_suffix_sums_kernel``'s scan takes.
@@ -1407,14 +1405,14 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
                     and launch_keywords["CHUNK"] == NORMALIZER_GRADIENT_TOKENS)
     suffix = ds0
     if suffix_given:
-        grad_denominator, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
+        grad_denominator, _, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
         suffix = torch.empty_like(chunk_sums)
         with _launch_guard():
             chunk_suffix_sums_kernel[(B * H,)](
                 chunk_sums, g_arg, suffix, ds0, chunk_sums.shape[2], H, D, E, int(grad_final_state is not None),
                 *g_arg.stride(), BLOCK_D=_block(D), SCAN_CHUNKS=SUFFIX_SCAN_CHUNKS)
     elif normalize:
-        grad_denominator = _normalizer_gradient(grad_o, o, denominator)
+        grad_denominator, _, _ = _normalizer_gradient(grad_o, o, denominator)
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
@@ -1501,7 +1499,7 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
     features and the terms' walks take dq and dk through its derivative."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
-    grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
+    grad_denominator, g, _ = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
     q_w, k_w, v_w = (x.to(g.dtype) for x in (q, k, v))
     grad_q = grad_k = grad_v = grad_initial_state = None
     grad_z = None if grad_final_state is None else grad_final_state[..., E]
