@@ -413,13 +413,17 @@ def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory)
             assert chunked._fused_backward_shared_memory(fused, dtype) <= shared_memory
 
 
+@pytest.mark.parametrize("scan_chunks", [64, 2], ids=["one scan step", "steps of two chunks"])
 @pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
-def test_normalized_backward_dz_per_chunk_matches_the_carried_dz(with_final_grad, device, monkeypatch):
+def test_normalized_backward_dz_per_chunk_matches_the_carried_dz(with_final_grad, scan_chunks, device, monkeypatch):
     """bfloat16 with the r kernel's 64-token chunks: the reverse walk reads dz after each chunk
     (``chunk_suffix_sums_kernel``) instead of carrying it. Its gradients and dS_0 (z column
     included) agree with the carried dz's, which a different chunk size of the r kernel selects,
-    to float32's summation order, across a partial last chunk and with G's z column or without."""
-    T, D, E = 3 * 64 + 5, 16, 24
+    to float32's summation order, across a partial last chunk and with G's z column or without.
+    The five chunks are scanned in one step, or in steps of two with a partial last step, so the
+    carry between steps is exercised."""
+    monkeypatch.setattr(chunked, "SUFFIX_SCAN_CHUNKS", scan_chunks)
+    T, D, E = 4 * 64 + 5, 16, 24
     q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=21, initial_state=True)
     q, k = q.abs(), k.abs()
     s0 = torch.cat([s0, torch.rand(1, 2, D, 1, device=device)], dim=-1)

@@ -265,25 +265,36 @@ def chunk_suffix_sums_kernel(
     num_chunks, H, D, E, has_final_grad,
     stride_gb, stride_gh, stride_gd, stride_ge,
     BLOCK_D: tl.constexpr,
+    SCAN_CHUNKS: tl.constexpr,      # chunks one step of the scan takes
 ):
     """For one (batch, head): dz_c = G_z + the chunk sums of every later chunk, for each chunk c,
     and dz_0 = G_z + all of them (dS_0's z column). The fused backward's reverse walk then adds
-    dz_c to its chunk's dK instead of carrying dz, which would cost it registers it has not got."""
+    dz_c to its chunk's dK instead of carrying dz, which would cost it registers it has not got.
+    Each step takes SCAN_CHUNKS chunks from the end: row c holds chunk c + 1's sum, so a reversed
+    inclusive cumsum of the rows sums the chunks after c up to the next step's first, and the carry
+    (dz after that chunk, row 0 of the step before) adds everything later."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    b_dz = tl.zeros([BLOCK_D], dtype=tl.float32)
+    offs_c = tl.arange(0, SCAN_CHUNKS)
+    b_carry = tl.zeros([BLOCK_D], dtype=tl.float32)
     if has_final_grad:
-        b_dz = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
-                       other=0.0)
+        b_carry = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
+                          other=0.0)
     rows = pid_bh.to(tl.int64) * num_chunks * D
-    for i in range(num_chunks):
-        chunk = num_chunks - 1 - i
-        tl.store(suffix_ptr + rows + chunk * D + offs_d, b_dz, mask=mask_d)
-        b_dz += tl.load(chunk_sums_ptr + rows + chunk * D + offs_d, mask=mask_d, other=0.0)
-    tl.store(ds0_ptr + pid_bh.to(tl.int64) * D * (E + 1) + offs_d * (E + 1) + E, b_dz, mask=mask_d)
+    for i in range(tl.cdiv(num_chunks, SCAN_CHUNKS)):
+        chunks = (tl.cdiv(num_chunks, SCAN_CHUNKS) - 1 - i) * SCAN_CHUNKS + offs_c
+        later = chunks + 1  # the step's last row reads the next step's first chunk, which the carry lacks
+        b_later = tl.load(chunk_sums_ptr + rows + later[:, None] * D + offs_d[None, :],
+                          mask=(later < num_chunks)[:, None] & mask_d[None, :], other=0.0)
+        b_suffix = b_carry[None, :] + tl.cumsum(b_later, 0, reverse=True)
+        tl.store(suffix_ptr + rows + chunks[:, None] * D + offs_d[None, :], b_suffix,
+                 mask=(chunks < num_chunks)[:, None] & mask_d[None, :])
+        b_carry = tl.sum(tl.where((offs_c == 0)[:, None], b_suffix, 0.0), 0)
+    b_first = tl.load(chunk_sums_ptr + rows + offs_d, mask=mask_d, other=0.0)
+    tl.store(ds0_ptr + pid_bh.to(tl.int64) * D * (E + 1) + offs_d * (E + 1) + E, b_carry + b_first, mask=mask_d)
 
 
 @triton.jit
@@ -1314,10 +1325,10 @@ NORMALIZER_GRADIENT_TOKENS = 64
 
 
 def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None):
-    """r (B, H, T) float32 of the normalised backward (``normalizer_gradient_kernel``), and with
-    ``with_numerator`` (r, g): g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else float32.
-    With ``q``, (r, chunk sums): the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens,
-    (B, H, NC, D) float32."""
+    """(r, g, chunk sums) of the normalised backward (``normalizer_gradient_kernel``): r (B, H, T)
+    float32; with ``with_numerator``, g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else
+    float32; with ``q``, the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens, (B, H, NC, D)
+    float32. Each of the last two is None where it was not asked for."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
     chunk_sums = None
@@ -1337,9 +1348,11 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None
             BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
             INTERPRETED=triton.knobs.runtime.interpret, WRITE_NUMERATOR=with_numerator,
             WRITE_CHUNK_SUMS=q is not None)
-    if q is not None:
-        return grad_denominator, chunk_sums
-    return (grad_denominator, numerator) if with_numerator else grad_denominator
+    return grad_denominator, numerator, chunk_sums
+
+
+#: Chunks one step of ``chunk_suffix_sums_kernel``'s scan takes.
+SUFFIX_SCAN_CHUNKS = 64
 
 
 #: Tokens and columns a program of ``normalizer_terms_kernel`` takes.
@@ -1392,14 +1405,14 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
                     and launch_keywords["CHUNK"] == NORMALIZER_GRADIENT_TOKENS)
     suffix = ds0
     if suffix_given:
-        grad_denominator, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
+        grad_denominator, _, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
         suffix = torch.empty_like(chunk_sums)
         with _launch_guard():
             chunk_suffix_sums_kernel[(B * H,)](
                 chunk_sums, g_arg, suffix, ds0, chunk_sums.shape[2], H, D, E, int(grad_final_state is not None),
-                *g_arg.stride(), BLOCK_D=_block(D))
+                *g_arg.stride(), BLOCK_D=_block(D), SCAN_CHUNKS=SUFFIX_SCAN_CHUNKS)
     elif normalize:
-        grad_denominator = _normalizer_gradient(grad_o, o, denominator)
+        grad_denominator, _, _ = _normalizer_gradient(grad_o, o, denominator)
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
@@ -1486,7 +1499,7 @@ def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_
     features and the terms' walks take dq and dk through its derivative."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
-    grad_denominator, g = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
+    grad_denominator, g, _ = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
     q_w, k_w, v_w = (x.to(g.dtype) for x in (q, k, v))
     grad_q = grad_k = grad_v = grad_initial_state = None
     grad_z = None if grad_final_state is None else grad_final_state[..., E]
