@@ -284,8 +284,9 @@ def chunk_suffix_sums_kernel(
         b_carry = tl.load(g_ptr + b * stride_gb + h * stride_gh + offs_d * stride_gd + E * stride_ge, mask=mask_d,
                           other=0.0)
     rows = pid_bh.to(tl.int64) * num_chunks * D
-    for i in range(tl.cdiv(num_chunks, SCAN_CHUNKS)):
-        chunks = (tl.cdiv(num_chunks, SCAN_CHUNKS) - 1 - i) * SCAN_CHUNKS + offs_c
+    steps = tl.cdiv(num_chunks, SCAN_CHUNKS)
+    for i in range(steps):
+        chunks = (steps - 1 - i) * SCAN_CHUNKS + offs_c
         later = chunks + 1  # the step's last row reads the next step's first chunk, which the carry lacks
         b_later = tl.load(chunk_sums_ptr + rows + later[:, None] * D + offs_d[None, :],
                           mask=(later < num_chunks)[:, None] & mask_d[None, :], other=0.0)
@@ -549,7 +550,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
         g_ptr += b * stride_gb + h * stride_gh
         b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-        if NORMALIZE and WANT_DK:
+        if NORMALIZE and WANT_DK and not SUFFIX_GIVEN:  # else chunk_suffix_sums_kernel starts from it
             b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
@@ -1339,12 +1340,12 @@ def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None
     if with_numerator:
         numerator = torch.empty((B, H, T, E), device=o.device,
                                 dtype=torch.bfloat16 if grad_o.dtype == torch.bfloat16 else torch.float32)
+    q_arg = grad_o if q is None else q  # a stand-in the kernel never reads without q
     with _launch_guard():
         normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
             grad_o, o, denominator, grad_denominator, grad_denominator if numerator is None else numerator,
-            grad_o if q is None else q, grad_denominator if chunk_sums is None else chunk_sums,
-            T, H, E, 1 if q is None else q.shape[-1], *grad_o.stride(), *o.stride(),
-            *(grad_o if q is None else q).stride(),
+            q_arg, grad_denominator if chunk_sums is None else chunk_sums,
+            T, H, E, 1 if q is None else q.shape[-1], *grad_o.stride(), *o.stride(), *q_arg.stride(),
             BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
             INTERPRETED=triton.knobs.runtime.interpret, WRITE_NUMERATOR=with_numerator,
             WRITE_CHUNK_SUMS=q is not None)
