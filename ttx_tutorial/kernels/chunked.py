@@ -23,9 +23,9 @@ the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_
 and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
 ``normalizer_gradient_kernel`` (for the three passes, g beside it, and ``normalizer_terms_kernel``
 adds r_t z_t to their dQ and dz to their dK in one walk each). dz after each chunk, the sum of
-r_t q_t over the later tokens that every dk_s receives, is made before the fused walks for
-bfloat16 with 64-token chunks (the r kernel's sums per chunk, then ``chunk_suffix_sums_kernel``),
-so the reverse walk reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu"
+r_t q_t over the later tokens that every dk_s receives, is made before the fused walks (the r
+kernel's sums over the walks' chunks, then ``chunk_suffix_sums_kernel``), so the reverse walk
+reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu"
 or "relu", with q and k the features of raw inputs that map made beforehand): the backward takes
 the map's derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which
 are then the raw inputs' gradients (``_run_normalized_validated(features=)``).
