@@ -13,6 +13,7 @@ import triton
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked
+from test_ops import normalized64
 from ttx_tutorial.testing import (assert_close, poisoned_allocations, random_inputs, reference, reference_gradients,
                                   relative_error)
 
@@ -415,32 +416,28 @@ def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory)
 
 @pytest.mark.parametrize("scan_chunks", [64, 2], ids=["one scan step", "steps of two chunks"])
 @pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
-def test_normalized_backward_dz_per_chunk_matches_the_carried_dz(with_final_grad, scan_chunks, device, monkeypatch):
-    """bfloat16 with the r kernel's 64-token chunks: the reverse walk reads dz after each chunk
-    (``chunk_suffix_sums_kernel``) instead of carrying it. Its gradients and dS_0 (z column
-    included) agree with the carried dz's, which a different chunk size of the r kernel selects,
-    to float32's summation order, across a partial last chunk and with G's z column or without.
-    The five chunks are scanned in one step, or in steps of two with a partial last step, so the
-    carry between steps is exercised."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_normalized_backward_dz_per_chunk_matches_float64(dtype, with_final_grad, scan_chunks, device, monkeypatch):
+    """The fused normalised backward's reverse walk reads dz after each of its chunks (64 tokens
+    for bfloat16, 32 for float16), made by ``chunk_suffix_sums_kernel`` from the r kernel's sums
+    over the same chunks: dk, which takes dz, and dS_0's z column, which is dz_0, against float64
+    across a partial last chunk, with G's z column or without. The chunks are scanned in one
+    step, or in steps of two with a partial last step, so the carry between steps is exercised."""
     monkeypatch.setattr(chunked, "SUFFIX_SCAN_CHUNKS", scan_chunks)
     T, D, E = 4 * 64 + 5, 16, 24
-    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=21, initial_state=True)
+    q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=21, initial_state=True)
     q, k = q.abs(), k.abs()
     s0 = torch.cat([s0, torch.rand(1, 2, D, 1, device=device)], dim=-1)
-    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(22)).to(device, q.dtype)
+    grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(22)).to(device, dtype)
     grad_final_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(23)).to(device)
-
-    def gradients():
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
-        with poisoned_allocations():
-            o, state = chunked._run_normalized_validated(*leaves, 1e-6)
-            torch.autograd.backward((o, state) if with_final_grad else (o,),
-                                    (grad_o, grad_final_state) if with_final_grad else (grad_o,))
-        return [x.grad for x in leaves]
-
-    per_chunk = gradients()
-    monkeypatch.setattr(chunked, "NORMALIZER_GRADIENT_TOKENS", 32)
-    carried = gradients()
-    for name, a, b in zip(("dq", "dk", "dv", "dS0"), per_chunk, carried):
-        assert a.isfinite().all(), name
-        assert relative_error(a.float(), b.float()) < (1e-5 if name == "dS0" else 1e-2), name
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+    with poisoned_allocations():
+        o, state = chunked._run_normalized_validated(*leaves, 1e-6)
+        torch.autograd.backward((o, state) if with_final_grad else (o,),
+                                (grad_o, grad_final_state) if with_final_grad else (grad_o,))
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
+    o64, state64, _ = normalized64(*leaves64, 1e-6)
+    torch.autograd.backward((o64, state64) if with_final_grad else (o64,),
+                            (grad_o.double(), grad_final_state.double()) if with_final_grad else (grad_o.double(),))
+    assert_close(leaves[1].grad, leaves64[1].grad, dtype, "dk")
+    assert_close(leaves[3].grad[..., E], leaves64[3].grad[..., E], dtype, "dz_0")

@@ -23,9 +23,9 @@ the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_
 and adds the denominator's gradient r_t = -(g_t . out_t) in the same walks, r made beforehand by
 ``normalizer_gradient_kernel`` (for the three passes, g beside it, and ``normalizer_terms_kernel``
 adds r_t z_t to their dQ and dz to their dK in one walk each). dz after each chunk, the sum of
-r_t q_t over the later tokens that every dk_s receives, is made before the fused walks for
-bfloat16 with 64-token chunks (the r kernel's sums per chunk, then ``chunk_suffix_sums_kernel``),
-so the reverse walk reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu"
+r_t q_t over the later tokens that every dk_s receives, is made before the fused walks (the r
+kernel's sums over the walks' chunks, then ``chunk_suffix_sums_kernel``), so the reverse walk
+reads it instead of carrying a sum across its warps. ``FEATURE_MAP`` ("elu"
 or "relu", with q and k the features of raw inputs that map made beforehand): the backward takes
 the map's derivative, read off the features (min(phi, 1); phi > 0), as it stores dQ and dK, which
 are then the raw inputs' gradients (``_run_normalized_validated(features=)``).
@@ -526,8 +526,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
                   stride_gb, stride_gh, stride_gd, stride_ge,
                   BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr,
                   COMPENSATED: tl.constexpr, IS_VARLEN: tl.constexpr, NORMALIZE: tl.constexpr,
-                  FEATURE_MAP: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
-                  SUFFIX_GIVEN: tl.constexpr):
+                  FEATURE_MAP: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
     """``chunked_backward_kernel``'s reverse walk (its comments give the algebra): dK (WANT_DK)
     and dV (WANT_DV) of one (batch, head), carrying R = G + sum of Q^T dO over the later chunks
     either way. The walk that makes dV writes dS_0's E columns, the one that makes dK its z
@@ -545,13 +544,10 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
     mask_d = offs_d < D
     mask_e = offs_e < E
     b_r = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
-    b_dz = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     if has_final_grad:
         g_ptr += b * stride_gb + h * stride_gh
         b_r = tl.load(g_ptr + offs_d[:, None] * stride_gd + offs_e[None, :] * stride_ge,
                       mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-        if NORMALIZE and WANT_DK and not SUFFIX_GIVEN:  # else chunk_suffix_sums_kernel starts from it
-            b_dz = tl.load(g_ptr + offs_d * stride_gd + E * stride_ge, mask=mask_d, other=0.0)
     # Row s (token s) receives from column t (token t) when t >= s.
     upper = offs_c[:, None] <= offs_c[None, :]
     b_dkv_seen = tl.zeros([CHUNK], dtype=tl.float32)
@@ -616,12 +612,9 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
             b_dk = tl.dot(b_v.to(MIXED_DOT_DTYPE), tl.trans(b_r_mixed), input_precision=FLOAT32_PRECISION)  # [C, D]
             b_dk = tl.dot(_rounded(b_vdo, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_q.to(MIXED_DOT_DTYPE),
                           acc=b_dk, input_precision=FLOAT32_PRECISION)
-            if NORMALIZE and SUFFIX_GIVEN:  # dz after this chunk, from chunk_suffix_sums_kernel
+            if NORMALIZE:  # dz after this chunk, from chunk_suffix_sums_kernel
                 b_dk += tl.load(suffix_ptr + (pid_bh.to(tl.int64) * num_chunks + num_chunks - 1 - i) * D + offs_d,
                                 mask=mask_d, other=0.0)[None, :]
-            elif NORMALIZE:
-                b_dk += b_dz[None, :]
-                b_dz += tl.sum(b_grad_denominator[:, None] * b_q.to(tl.float32), 0)
         b_r, b_r_carry = _add_product(b_r, b_r_carry, tl.trans(b_q), b_do, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
         if WANT_DK:
             if FEATURE_MAP != "identity":  # b_k is loaded only then where dV is not wanted
@@ -641,8 +634,6 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
     ds0_ptr += pid_bh.to(tl.int64) * D * state_width
     if WANT_DV:
         tl.store(ds0_ptr + offs_d[:, None] * state_width + offs_e[None, :], b_r, mask=mask_d[:, None] & mask_e[None, :])
-    if NORMALIZE and WANT_DK and not SUFFIX_GIVEN:  # else chunk_suffix_sums_kernel wrote it
-        tl.store(ds0_ptr + offs_d * state_width + E, b_dz, mask=mask_d)
 
     if tl.sum(b_dkv_seen, 0) != 0.0:  # an inf or NaN in this walk's dK_c or dV_c: redo them from G
         row = tl.program_id(0).to(tl.int64)
@@ -825,7 +816,7 @@ def chunked_backward_kernel(
     g_ptr,                          # G, the gradient of S_T (B, H, D, E) float32, read when has_final_grad
     ds0_ptr,                        # dS_0 (B, H, D, E) float32, contiguous, written
                                     # (the three states have E + 1 columns, z last, when NORMALIZE)
-    suffix_ptr,                     # SUFFIX_GIVEN: dz after each chunk (B, H, NC, D) float32 (chunk_suffix_sums_kernel)
+    suffix_ptr,                     # NORMALIZE: dz after each chunk (B, H, NC, D) float32 (chunk_suffix_sums_kernel)
     cu_seqlens_ptr,                 # IS_VARLEN: (B + 1,) token offsets of the packed sequences
     T, H, D, E,
     compute_dq,                     # 0: no forward walk (q needs no gradient; dq_ptr unused), a grid
@@ -851,7 +842,6 @@ def chunked_backward_kernel(
     FEATURE_MAP: tl.constexpr,      # "identity", or the map that made q and k (features): dq and dk
                                     # are taken through its derivative before they are stored
     SPLIT_WALKS: tl.constexpr,      # the reverse walk as two programs, one for dV and one for dK
-    SUFFIX_GIVEN: tl.constexpr = False,  # NORMALIZE: dz per chunk read from suffix_ptr, not carried
 ):
     """The whole backward of one (batch, head) in its row of programs: with compute_dq, program 0
     walks forward for dQ and the next one(s) backwards for dK, dV and dS_0; without, the reverse
@@ -876,8 +866,9 @@ def chunked_backward_kernel(
     # run the plain backward on g, and d_t, a causal product of q and k with values 1, adds r_t to
     # every visible score gradient, r_t z_{c-1} to dq_t (z_{c-1}: z_0 and the earlier chunks' keys),
     # and to dk_s the sum of r_t q_t over the later chunks' tokens and the final z's gradient
-    # (dz, carried next to R; what it ends as is dz_0). r_t comes made, one number a token, from
-    # normalizer_gradient_kernel.
+    # (dz after the chunk; dz_0 after them all). r_t comes made, one number a token, from
+    # normalizer_gradient_kernel, and dz per chunk from chunk_suffix_sums_kernel: carried next to
+    # R it would take registers the reverse walk has not got.
     # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
@@ -999,13 +990,13 @@ def chunked_backward_kernel(
         if tl.program_id(1) >= compute_dq:
             if tl.program_id(1) == compute_dq:
                 _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                              FEATURE_MAP, False, True, SUFFIX_GIVEN)
+                              FEATURE_MAP, False, True)
             else:
                 _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                              FEATURE_MAP, True, False, SUFFIX_GIVEN)
+                              FEATURE_MAP, True, False)
     elif tl.program_id(1) == tl.num_programs(1) - 1:
         _reverse_walk(*walk_args, BLOCK_D, BLOCK_E, CHUNK, INTERPRETED, COMPENSATED, IS_VARLEN, NORMALIZE,
-                      FEATURE_MAP, True, True, SUFFIX_GIVEN)
+                      FEATURE_MAP, True, True)
 
 
 #: Keys a ``config`` may set; missing keys keep the rule's value (``default_config``).
@@ -1321,32 +1312,33 @@ def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normal
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
 
 
-#: Tokens a program of ``normalizer_gradient_kernel`` takes.
+#: Tokens a program of ``normalizer_gradient_kernel`` takes in the backward in passes (the fused
+#: backward's take its walks' chunk).
 NORMALIZER_GRADIENT_TOKENS = 64
 
 
-def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None):
-    """(r, g, chunk sums) of the normalised backward (``normalizer_gradient_kernel``): r (B, H, T)
-    float32; with ``with_numerator``, g (B, H, T, E) contiguous, bfloat16 for bfloat16 inputs, else
-    float32; with ``q``, the sum of r_t q_t over each NORMALIZER_GRADIENT_TOKENS tokens, (B, H, NC, D)
-    float32. Each of the last two is None where it was not asked for."""
+def _normalizer_gradient(grad_o, o, denominator, *, with_numerator=False, q=None,
+                         tokens=NORMALIZER_GRADIENT_TOKENS):
+    """(r, g, chunk sums) of the normalised backward (``normalizer_gradient_kernel``, ``tokens`` a
+    program): r (B, H, T) float32; with ``with_numerator``, g (B, H, T, E) contiguous, bfloat16 for
+    bfloat16 inputs, else float32; with ``q``, the sum of r_t q_t over each chunk of ``tokens``
+    tokens, (B, H, NC, D) float32. Each of the last two is None where it was not asked for."""
     B, H, T, E = o.shape
     grad_denominator = torch.empty_like(denominator)
     chunk_sums = None
     if q is not None:
-        chunk_sums = torch.empty((B, H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS), q.shape[-1]),
-                                 dtype=torch.float32, device=o.device)
+        chunk_sums = torch.empty((B, H, triton.cdiv(T, tokens), q.shape[-1]), dtype=torch.float32, device=o.device)
     numerator = None
     if with_numerator:
         numerator = torch.empty((B, H, T, E), device=o.device,
                                 dtype=torch.bfloat16 if grad_o.dtype == torch.bfloat16 else torch.float32)
     q_arg = grad_o if q is None else q  # a stand-in the kernel never reads without q
     with _launch_guard():
-        normalizer_gradient_kernel[(B * H, triton.cdiv(T, NORMALIZER_GRADIENT_TOKENS))](
+        normalizer_gradient_kernel[(B * H, triton.cdiv(T, tokens))](
             grad_o, o, denominator, grad_denominator, grad_denominator if numerator is None else numerator,
             q_arg, grad_denominator if chunk_sums is None else chunk_sums,
             T, H, E, 1 if q is None else q.shape[-1], *grad_o.stride(), *o.stride(), *q_arg.stride(),
-            BLOCK_T=NORMALIZER_GRADIENT_TOKENS, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
+            BLOCK_T=tokens, BLOCK_E=_block(E), BLOCK_D=1 if q is None else _block(q.shape[-1]),
             INTERPRETED=triton.knobs.runtime.interpret, WRITE_NUMERATOR=with_numerator,
             WRITE_CHUNK_SUMS=q is not None)
     return grad_denominator, numerator, chunk_sums
@@ -1401,19 +1393,15 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     dq_arg = dk if dq is None else dq
     s0_arg = ds0 if initial_state is None else initial_state
     g_arg = ds0 if grad_final_state is None else grad_final_state
-    # bfloat16 chunks of the r kernel's size: dz per chunk made before the walks (chunk_suffix_sums_kernel).
-    suffix_given = (normalize and q.dtype == torch.bfloat16 and cu_seqlens is None
-                    and launch_keywords["CHUNK"] == NORMALIZER_GRADIENT_TOKENS)
     suffix = ds0
-    if suffix_given:
-        grad_denominator, _, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q)
+    if normalize:  # r, then dz after each of the walks' chunks (chunk_suffix_sums_kernel)
+        grad_denominator, _, chunk_sums = _normalizer_gradient(grad_o, o, denominator, q=q,
+                                                               tokens=launch_keywords["CHUNK"])
         suffix = torch.empty_like(chunk_sums)
         with _launch_guard():
             chunk_suffix_sums_kernel[(B * H,)](
                 chunk_sums, g_arg, suffix, ds0, chunk_sums.shape[2], H, D, E, int(grad_final_state is not None),
                 *g_arg.stride(), BLOCK_D=_block(D), SCAN_CHUNKS=SUFFIX_SCAN_CHUNKS)
-    elif normalize:
-        grad_denominator, _, _ = _normalizer_gradient(grad_o, o, denominator)
     else:
         grad_denominator = denominator = ds0
     with _launch_guard():
@@ -1424,7 +1412,6 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq_arg.stride(),
             *dk.stride(), *dv.stride(), *s0_arg.stride(), *g_arg.stride(),
             IS_VARLEN=cu_seqlens is not None, NORMALIZE=normalize, FEATURE_MAP=feature_map, **launch_keywords,
-            SUFFIX_GIVEN=suffix_given,
         )
     return dq, dk, dv, ds0
 
