@@ -171,25 +171,25 @@ _HIGHEST_SWEEP = {
 
 
 #: The same defaults in one process on an H100 (132 multiprocessors, as the H200; torch 2.11,
-#: Triton 3.6, 2026-12-05), beside the peers: ``python -m ttx_tutorial.bench --shapes
+#: Triton 3.6, 2026-12-06), beside the peers: ``python -m ttx_tutorial.bench --shapes
 #: '8,16,4096,64;8,16,4096,128;1,8,65536,64;2,16,16384,128' --sweep '' --dtypes
 #: float32,bfloat16 --methods recurrent,chunked,scan --peers
 #: fast_transformers_cuda,fla_chunk,fla_fused_chunk --float32-settings high``
-#: (docs/perf/2026-12-05-h100/bench.json).
+#: (docs/perf/2026-12-06-h100/bench.json).
 _HIGHEST_H100_RUN = {
-    (8, 16, 4096, 64, 64): {"chunked": (0.295, 1.164), "scan": (0.534, 1.869), "recurrent": (0.990, 3.830)},
-    (8, 16, 4096, 128, 128): {"chunked": (1.426, 5.654), "scan": (6.484, 26.93), "recurrent": (2.004, 7.898)},
-    (1, 8, 65536, 64, 64): {"chunked": (4.455, 17.14), "scan": (0.546, 1.937), "recurrent": (2.277, 9.227)},
-    (2, 16, 16384, 128, 128): {"chunked": (3.026, 12.45), "scan": (6.425, 26.11), "recurrent": (3.352, 13.25)},
+    (8, 16, 4096, 64, 64): {"chunked": (0.292, 1.154), "scan": (0.531, 1.892), "recurrent": (0.989, 3.809)},
+    (8, 16, 4096, 128, 128): {"chunked": (1.424, 5.683), "scan": (6.516, 27.65), "recurrent": (1.754, 7.272)},
+    (1, 8, 65536, 64, 64): {"chunked": (4.504, 17.44), "scan": (0.545, 1.911), "recurrent": (2.278, 8.996)},
+    (2, 16, 16384, 128, 128): {"chunked": (3.006, 12.38), "scan": (6.400, 26.21), "recurrent": (3.375, 13.30)},
 }
 
 #: The same run's rows under "high" (``chunked@high`` and ``scan@high``: TF32 products);
 #: recurrent has no matrix products, so its rows are the ones above.
 _HIGH_H100_RUN = {shape: {**tf32, "recurrent": _HIGHEST_H100_RUN[shape]["recurrent"]} for shape, tf32 in {
-    (8, 16, 4096, 64, 64): {"chunked": (0.285, 1.120), "scan": (0.371, 1.211)},
-    (8, 16, 4096, 128, 128): {"chunked": (0.805, 3.196), "scan": (1.117, 3.715)},
-    (1, 8, 65536, 64, 64): {"chunked": (2.670, 10.62), "scan": (0.430, 1.339)},
-    (2, 16, 16384, 128, 128): {"chunked": (1.843, 7.462), "scan": (1.085, 3.599)},
+    (8, 16, 4096, 64, 64): {"chunked": (0.286, 1.121), "scan": (0.365, 1.201)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.794, 3.195), "scan": (1.112, 3.714)},
+    (1, 8, 65536, 64, 64): {"chunked": (2.741, 10.63), "scan": (0.433, 1.323)},
+    (2, 16, 16384, 128, 128): {"chunked": (1.831, 7.435), "scan": (1.103, 3.656)},
 }.items()}
 
 
