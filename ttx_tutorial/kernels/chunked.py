@@ -1377,8 +1377,8 @@ def _launch_backward(q, k, v, initial_state, grad_o, grad_final_state, launch_ke
     initial_state, grad_final_state: S_0 and G, float32 (B, H, D, E), or None for zeros
     (with ``cu_seqlens``: (N, H, D, E), one state per packed sequence). With the forward's ``o``
     and ``denominator``, the normalised backward (NORMALIZE, not with ``cu_seqlens``): the three
-    states then have E + 1 columns, z last. With a ``feature_map``, q and k are its features and dQ, dK the gradients
-    of the inputs it mapped. launch_keywords: ``_backward_plan``'s."""
+    states then have E + 1 columns, z last. With a ``feature_map``, q and k are its features and
+    dQ, dK the gradients of the inputs it mapped. launch_keywords: ``_backward_plan``'s."""
     B, H, T, D = q.shape
     E = v.shape[-1]
     if cu_seqlens is not None:
