@@ -76,7 +76,7 @@ def _rounded(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def _token(b_state, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, INTERPRETED: tl.constexpr):
     """One step of the walk: S += k v^T, o = S^T q (b_v: this token's [1, GROUPS, COLS] row)."""
-    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)  # [BLOCK_D, GROUPS, 1]
+    b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)  # [ROWS, GROUPS, 1], ROWS = BLOCK_D / HALVES
     b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
     b_state += b_k * b_v  # S_t = S_{t-1} + k_t v_t^T: an outer product, no reduction
     # o_t = S_t^T q_t: a sum over D; keep_dims keeps the state's layout for the store.
@@ -106,7 +106,7 @@ def _halves_token(b_state, b_state_hi, q_col_ptr, k_col_ptr, half_q, half_k, b_v
 def _normalized_token(b_state, b_z, q_col_ptr, k_col_ptr, b_v, o_row_ptr, mask_col, mask_row, eps,
                       INTERPRETED: tl.constexpr):
     """_token with the normaliser: z += k, o = S^T q / (q . z + eps); returns (S, z, d + eps).
-    z is a [BLOCK_D, GROUPS, 1] tile in k's layout (every group holds the same z), and d + eps
+    z is a [ROWS, GROUPS, 1] tile in k's layout (every group holds the same z), and d + eps
     a [1, GROUPS, 1] row, all groups equal."""
     b_k = tl.load(k_col_ptr, mask=mask_col, other=0.0).to(tl.float32)
     b_q = tl.load(q_col_ptr, mask=mask_col, other=0.0).to(tl.float32)

@@ -1532,7 +1532,7 @@ def _segment_length(T, batch_heads, D, E, chunk, e_blocks, element_size, multipr
     multiprocessor: T / NS tokens rounded to the nearest power of two (at least one chunk), so
     that equal segments split the sequence evenly. ``one_program_per_sm`` (bfloat16 with
     ``_DEEP_PIPELINE_STAGES`` or more, where each program hides its own loads): instead the
-    fewest segments that still give at most one program a multiprocessor (the shortest power of
+    most segments that give at most one program a multiprocessor (the shortest power of
     two that cuts T into no more than multiprocessors / (batch_heads * e_blocks) segments; one
     where the heads alone fill the GPU). Measured on an H100 (benchmarks/NOTES.md): bfloat16 with
     three or four stages was faster so at nine shapes, 8-34 % forward; float16 with three stages
