@@ -216,6 +216,21 @@ def test_deep_pipeline_keeps_at_most_one_program_a_multiprocessor(B, H, T, D, ex
     assert programs <= 132 or config["SEGMENT_LEN"] >= T
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_default_config_passes_back_as_config(dtype):
+    """What ``default_config`` returns is a config the wrapper takes: the keys of
+    ``CONFIG_KEYS`` only, and as ``config=`` the same outputs as the wrapper's own choice."""
+    B, H, T, D, E = 1, 2, 40, 16, 16
+    q, k, v = random_inputs(B, H, T, D, E, dtype=dtype, seed=4)
+    multiprocessors, shared_memory = scan._device_limits(q.device)
+    config = scan.default_config(B, H, T, D, E, dtype, multiprocessors, scan.float32_precision(),
+                                 shared_memory=shared_memory)
+    assert set(config) == set(scan.CONFIG_KEYS)
+    o_rule, state_rule = scan.scan_causal_product(q, k, v)
+    o_given, state_given = scan.scan_causal_product(q, k, v, config=config)
+    assert torch.equal(o_given, o_rule) and torch.equal(state_given, state_rule)
+
+
 def test_packed_sequences_are_cut_as_one_sequence(monkeypatch):
     """Segments straddle the boundaries of packed sequences, so the wrapper cuts a packed row
     into the segments of one sequence of the same length: the same rule, the same length."""

@@ -1558,11 +1558,12 @@ def default_config(B, H, T, D, E, dtype, multiprocessors, float32_precision="tf3
                    shared_memory=_NOMINAL_LIMITS[1]):
     """The wrapper's rule: the blocks of ``_default_blocks`` and the length of
     ``_segment_length`` for a GPU with ``multiprocessors`` multiprocessors and ``shared_memory``
-    opt-in bytes a block (by default an H100/H200's), with ``FLOAT32_PRECISION``, the kernels'
-    product precision (``float32_precision`` for float32 inputs; "tf32" for 16-bit ones, whose
-    float32 operands TF32 holds exactly). Packed sequences take the config of one sequence of
-    their total length."""
-    return dict(_resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision, shared_memory))
+    opt-in bytes a block (by default an H100/H200's), for float32 inputs whose products are
+    ``float32_precision``'s (``float32_precision()``). The keys are ``CONFIG_KEYS``, so the result
+    can be passed back as ``config=``. Packed sequences take the config of one sequence of their
+    total length."""
+    resolved = _resolved_config(B, H, T, D, E, dtype, multiprocessors, (), float32_precision, shared_memory)
+    return {key: resolved[key] for key in CONFIG_KEYS}
 
 
 @functools.lru_cache(maxsize=1024)  # the rule costs microseconds of Python, a short call's host time
