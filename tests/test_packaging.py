@@ -149,10 +149,14 @@ def test_methods_include_the_three_references():
 SDIST_MUST_HOLD = ("tests/conftest.py", "tests/_strategies.py", "notebooks/conftest.py",
                    "notebooks/nbval_sanitize.cfg", "Makefile", "constraints.txt", "environment.yml",
                    "CHANGELOG.md", "README.md", "LICENSE", "ttx_tutorial/py.typed",
-                   "ttx_tutorial/course/data/h200.json")
+                   "ttx_tutorial/course/data/h200.json", "notebooks/exercises/INSTRUCTOR.md")
 # Left out of the copy the distributions are built from: environments, caches, build outputs.
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
                                     ".pytest_cache", ".hypothesis", ".ipynb_checkpoints", "results")
+
+
+# The instructors' guide, copied out with the notebooks (README: "Instructors: see ...").
+INSTRUCTORS_GUIDE = "exercises/INSTRUCTOR.md"
 
 
 def repository_notebooks():
@@ -236,7 +240,7 @@ def test_a_wheel_in_a_fresh_environment_copies_out_notebooks_that_run(unpacked_s
     run_checked([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)], cwd=outside, env=env)
     copied = sorted(str(path.relative_to(destination)) for path in destination.rglob("*.ipynb"))
     assert copied == repository_notebooks()
-    for name in copied:
+    for name in [*copied, INSTRUCTORS_GUIDE]:
         assert (destination / name).read_bytes() == (ROOT / "notebooks" / name).read_bytes(), name
 
     again = subprocess.run([str(python), "-m", "ttx_tutorial", "notebooks", str(destination)],
@@ -264,5 +268,6 @@ def test_notebooks_copy_out_of_this_installation(tmp_path):
     assert main(["notebooks", str(tmp_path)]) == 0
     copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.ipynb"))
     assert copied == expected
-    assert all((tmp_path / name).read_bytes() == (repository / name).read_bytes() for name in expected)
+    assert all((tmp_path / name).read_bytes() == (repository / name).read_bytes()
+               for name in [*expected, INSTRUCTORS_GUIDE])
     assert main(["notebooks", str(tmp_path)]) == 1

@@ -1,5 +1,5 @@
-"""Command line: ``python -m ttx_tutorial notebooks DEST`` copies the course's notebooks out of the
-installed package, ``python -m ttx_tutorial info`` prints the mode and versions."""
+"""Command line: ``python -m ttx_tutorial notebooks DEST`` copies the course's notebooks (and the
+instructors' guide beside the exercises) out of the installed package, ``python -m ttx_tutorial info`` prints the mode and versions."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def _notebook_root():
 
 
 def notebook_files() -> list[str]:
-    """Every notebook shipped with the package, as paths relative to its notebook folder
-    (exercises and their solutions in their subfolders), sorted."""
+    """Every notebook shipped with the package, and the Markdown guides beside them
+    (``exercises/INSTRUCTOR.md``), as paths relative to its notebook folder (exercises and their
+    solutions in their subfolders), sorted."""
     root = _notebook_root()
     found: list[str] = []
 
@@ -33,7 +34,7 @@ def notebook_files() -> list[str]:
         for entry in folder.iterdir():
             if entry.is_dir() and not entry.name.startswith("."):
                 walk(entry, f"{prefix}{entry.name}/")
-            elif entry.name.endswith(".ipynb"):
+            elif entry.name.endswith((".ipynb", ".md")):
                 found.append(prefix + entry.name)
 
     walk(root, "")
@@ -65,7 +66,7 @@ def copy_notebooks(destination: Path, *, overwrite: bool = False) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ttx_tutorial", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    notebooks = commands.add_parser("notebooks", help="copy the notebooks into a folder")
+    notebooks = commands.add_parser("notebooks", help="copy the notebooks (and the instructors' guide) into a folder")
     notebooks.add_argument("destination", type=Path, help="folder to write them to (created if missing)")
     notebooks.add_argument("--overwrite", action="store_true", help="replace notebooks that exist there")
     commands.add_parser("info", help="print the mode (GPU or CPU interpreter) and the versions")
