@@ -1,5 +1,6 @@
 """Command line: ``python -m ttx_tutorial notebooks DEST`` copies the course's notebooks (and the
-instructors' guide beside the exercises) out of the installed package, ``python -m ttx_tutorial info`` prints the mode and versions."""
+instructors' guide beside the exercises) out of the installed package, ``python -m ttx_tutorial
+info`` prints the mode and versions."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def copy_notebooks(destination: Path, *, overwrite: bool = False) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ttx_tutorial", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    notebooks = commands.add_parser("notebooks", help="copy the notebooks (and the instructors' guide) into a folder")
+    notebooks = commands.add_parser("notebooks",
+                                    help="copy the notebooks (and the instructors' guide) into a folder")
     notebooks.add_argument("destination", type=Path, help="folder to write them to (created if missing)")
     notebooks.add_argument("--overwrite", action="store_true", help="replace notebooks that exist there")
     commands.add_parser("info", help="print the mode (GPU or CPU interpreter) and the versions")
