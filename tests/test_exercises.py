@@ -107,6 +107,10 @@ EXERCISES = {
         ("k_read_with_q_strides", [("k_ptr + t * stride_kt + offs_d * stride_kd", "k_ptr + t * stride_qt + offs_d * stride_qd")],
          "transposed ones do not"),
         ("value_tail_unmasked", [("mask=mask_e, other=0.0)", ")"), (", mask=mask_e)", ")")], "outside the output"),
+        ("output_columns_unmasked", [("o.to(o_ptr.dtype.element_ty), mask=mask_e)", "o.to(o_ptr.dtype.element_ty))")],
+         "`offs_e < E`"),
+        ("readout_sums_across_the_columns", [("o = tl.sum(state * q[:, None], axis=0)", "o = tl.sum(state * q[None, :], axis=1)")],
+         "S q_t instead of Sᵀ q_t"),
         ("output_stored_with_the_values_strides", [("o_ptr + t * stride_ot + offs_e * stride_oe", "o_ptr + t * stride_vt + offs_e * stride_ve")],
          "contiguous tensors pass but transposed ones do not"),
         ("state_replaced_not_accumulated", [("state += k[:, None] * v[None, :]", "state = k[:, None] * v[None, :]")],
@@ -490,11 +494,28 @@ def test_student_version_follows_nbgrader():
     sources = ["".join(cell["source"]) for cell in student["cells"]]
     assert sources == ["def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n",
                        "Why?\nYOUR ANSWER HERE\n", "", "print(f(1))\n"]
-    assert [cell["metadata"] for cell in student["cells"]] == [SOLUTION_CELL, SOLUTION_CELL, GRADE_CELL, GRADE_CELL], \
-        "the grade cells stay, with their ids, for nbgrader's autograde to fill"
+    solution_locks = {**SOLUTION_CELL, "deletable": False}
+    grade_locks = {**GRADE_CELL, "editable": False, "deletable": False}
+    assert [cell["metadata"] for cell in student["cells"]] == [solution_locks, solution_locks, grade_locks, grade_locks], \
+        "the grade cells stay, with their ids, for nbgrader's autograde to fill, locked as nbgrader locks them"
     assert all(cell["outputs"] == [] and cell["execution_count"] is None
                for cell in student["cells"] if cell["cell_type"] == "code")
     assert "Because" in notebook["cells"][1]["source"], "the source notebook is left as it was"
+    assert "editable" not in notebook["cells"][2]["metadata"]
+
+
+def test_locked_cells_are_read_only_in_the_student_version():
+    """A locked cell that is neither solution nor grade (the check call) can be neither edited nor
+    deleted in JupyterLab, as nbgrader's generate_assignment leaves it; an unmarked cell stays free."""
+    locked = {"nbgrader": {"grade": False, "grade_id": "check_call", "locked": True, "schema_version": 3,
+                           "solution": False, "task": False}}
+    student = student_version(_notebook(("code", "check(kernel)\n", locked), ("code", "x = 1\n")))
+    assert student["cells"][0]["metadata"] == {**locked, "editable": False, "deletable": False}
+    assert "editable" not in student["cells"][1]["metadata"] and "deletable" not in student["cells"][1]["metadata"]
+    committed = [cell for path in sorted(STUDENTS.glob("*.ipynb"))
+                 for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]
+                 if cell["metadata"].get("nbgrader", {}).get("locked")]
+    assert committed and all(cell["metadata"].get("editable") is False for cell in committed)
 
 
 @pytest.mark.parametrize("text", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n",

@@ -331,8 +331,8 @@ def check_output(out, allocation, ref, case: Case, *, row_dim: int, row_name="ro
         if out.numel() and n_outside % max(1, row_width):
             # Not a whole number of rows: a row written past its last column, not a row past the end.
             hint = (f" That is not a whole number of {row_name}: the store's other dimension overruns (a block of "
-                    f"columns padded to a power of two): mask it too (`offs_d < D`, combined with the mask on "
-                    f"the {row_name} by `&`).")
+                    f"columns padded to a power of two): mask it too (its column offsets against their size, such as "
+                    f"`offs_d < D` or `offs_e < E`, combined by `&` with any mask on the {row_name}).")
         elif tail:
             hint = (f" The last block has {left} of its {block} {row_name} in the output: its store needs a "
                     f"mask on them, and on every other dimension its block can overrun (`offs < n`, combined "

@@ -630,8 +630,9 @@ def check_recurrent(kernel) -> CheckResult:
          "the state is summed over the wrong axis: S is D x E (a row per key dimension), and o_t = sum over d of "
          "q_t[d] S[d, :], a sum down the rows (`axis=0` of `state * q[:, None]`)"),
         (lambda q, k, v: causal_product64(q, v, k) if q.shape[-1] == v.shape[-1] else None,
-         "k and v are swapped in the outer product: the state adds k_t v_tᵀ, k down the rows and v along the "
-         "columns (`k[:, None] * v[None, :]`)"),
+         "o_t comes out as S q_t instead of Sᵀ q_t: either k and v are swapped in the outer product (the state "
+         "adds k_t v_tᵀ, k down the rows and v along the columns: `k[:, None] * v[None, :]`), or the readout "
+         "multiplies q along the columns and sums across them (it is `tl.sum(state * q[:, None], axis=0)`)"),
     ]
     options = dict(make_inputs=_qkv, spec=causal_product64, variants=variants, row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),

@@ -75,6 +75,21 @@ def _check_marked(cell, text: str, where: str) -> None:
                              f"(metadata.nbgrader.grade, .points); nbgrader needs both")
 
 
+def _lock(cell: dict) -> None:
+    """The cell locks nbgrader's generate_assignment sets, as Jupyter's own cell metadata, which
+    JupyterLab and Notebook obey: a solution cell cannot be deleted; a locked or grade cell (not a
+    solution) can be neither edited nor deleted, so the check call and the grade cell that
+    autograde fills stay as the source has them."""
+    marks = cell.get("metadata", {}).get("nbgrader")
+    if not marks:
+        return
+    if marks.get("solution"):
+        cell["metadata"]["deletable"] = False
+    elif marks.get("locked") or marks.get("grade"):
+        cell["metadata"]["editable"] = False
+        cell["metadata"]["deletable"] = False
+
+
 def student_version(notebook: dict, *, name: str = "notebook") -> dict:
     """The student version of a solution notebook (a dict as stored in an .ipynb file)."""
     if not isinstance(notebook, dict) or "cells" not in notebook:
@@ -88,6 +103,7 @@ def student_version(notebook: dict, *, name: str = "notebook") -> dict:
         blank = _code_blank if cell["cell_type"] == "code" else _answer_blank
         text = _replace_regions(text, BEGIN_SOLUTION, END_SOLUTION, blank, where)
         cell["source"] = text.splitlines(keepends=True)
+        _lock(cell)
         if cell["cell_type"] == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
