@@ -228,6 +228,7 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
             continue
         if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{message} ({case.describe()}).")
+    _swapped_strides_diagnosis(case, out, inputs64, spec, right, tol)
     T = out.shape[1]
     # In the middle (off the chunk boundaries, so a leak inside the first chunks shows too) and
     # near the end (a leak inside the last chunk, which the first cut may not reach).
@@ -250,6 +251,26 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
                           f"{_sixteen_bit_hint(case, error)}")
     raise Failure(f"wrong values: relative error {error:.2e}, tolerance {tol:.0e} ({case.describe()})."
                   f"{_wrong_values_hint(case, error, passed)}")
+
+
+def _swapped_strides_diagnosis(case, out, inputs64, spec, right, tol):
+    """A load or store that multiplies the token index by the feature stride and the other way
+    round. On a contiguous case whose tensors are square in (tokens, features) that access reads
+    or writes exactly the transpose of each sequence's matrix, so it can be named."""
+    if case.any_transposed:
+        return
+    square = {name: tensor for name, tensor in inputs64.items() if tensor.shape[-1] == tensor.shape[-2]}
+    for name in square:
+        wrong = spec(**{n: t.transpose(-1, -2) if n == name else t for n, t in inputs64.items()})
+        if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
+            raise Failure(f"{name} is read with its two stride arguments swapped ({case.describe()}): element "
+                          f"(t, i) of {name} lies at t times its token stride plus i times its feature stride.")
+    if out.shape[-1] == out.shape[-2]:
+        written = out.double().cpu().transpose(-1, -2)
+        if relative_error(written, right) <= 2 * tol:
+            raise Failure(f"{case.output_name} is written with its two stride arguments swapped "
+                          f"({case.describe()}): element (t, i) of {case.output_name} lies at t times its token "
+                          f"stride plus i times its feature stride.")
 
 
 def _sixteen_bit_hint(case, error) -> str:
