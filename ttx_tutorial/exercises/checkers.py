@@ -256,16 +256,17 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
 def _swapped_strides_diagnosis(case, out, inputs64, spec, right, tol):
     """A load or store that multiplies the token index by the feature stride and the other way
     round. On a contiguous case whose tensors are square in (tokens, features) that access reads
-    or writes exactly the transpose of each sequence's matrix, so it can be named."""
+    or writes exactly the transpose of each sequence's matrix, so it can be named. Tensors of
+    (sequences, tokens, features) only."""
     if case.any_transposed:
         return
-    square = {name: tensor for name, tensor in inputs64.items() if tensor.shape[-1] == tensor.shape[-2]}
+    square = [name for name, tensor in inputs64.items() if tensor.dim() == 3 and tensor.shape[1] == tensor.shape[2]]
     for name in square:
         wrong = spec(**{n: t.transpose(-1, -2) if n == name else t for n, t in inputs64.items()})
         if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{name} is read with its two stride arguments swapped ({case.describe()}): element "
                           f"(t, i) of {name} lies at t times its token stride plus i times its feature stride.")
-    if out.shape[-1] == out.shape[-2]:
+    if out.dim() == 3 and out.shape[1] == out.shape[2]:
         written = out.double().cpu().transpose(-1, -2)
         if relative_error(written, right) <= 2 * tol:
             raise Failure(f"{case.output_name} is written with its two stride arguments swapped "
