@@ -933,6 +933,9 @@ def chunked_backward_kernel(
             mask_td = mask_t[:, None] & mask_d[None, :]
             b_do = tl.load(do_ptr + offs_t[:, None] * stride_dot + offs_e[None, :] * stride_doe,
                            mask=mask_t[:, None] & mask_e[None, :], other=0.0)           # [C, E]
+            if FEATURE_MAP != "identity":  # phi(q), for phi'(q): loaded first, its wait under the products
+                b_phi_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                                  mask=mask_td, other=0.0)
             b_vt = tl.load(v_ptr + offs_e[:, None] * stride_ve + offs_t[None, :] * stride_vt,
                            mask=mask_e[:, None] & mask_t[None, :], other=0.0)           # [E, C]
             b_k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
@@ -961,9 +964,8 @@ def chunked_backward_kernel(
                 b_dq += b_grad_denominator[:, None] * b_z[None, :]
                 b_z += tl.sum(b_k.to(tl.float32), 0)
             b_p, b_p_carry = _add_product(b_p, b_p_carry, b_vt, b_k, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
-            if FEATURE_MAP != "identity":  # the walk reads q only here, for phi'(q)
-                b_dq = _through_features(b_dq, tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                                                       mask=mask_td, other=0.0), FEATURE_MAP)
+            if FEATURE_MAP != "identity":
+                b_dq = _through_features(b_dq, b_phi_q, FEATURE_MAP)
             b_dq_seen += tl.sum(b_dq * 0.0, 1)
             tl.store(dq_ptr + offs_t[:, None] * stride_dqt + offs_d[None, :] * stride_dqd,
                      _rounded(b_dq, dq_ptr.dtype.element_ty, INTERPRETED), mask=mask_td)
