@@ -138,6 +138,12 @@ EXERCISES = {
                   lambda ns: exercises.check_small_dot(ns["one_chunk_kernel"], ns["block_sizes"]), [
         ("blocks_below_16", [("max(16, triton.next_power_of_2(n))", "triton.next_power_of_2(n)")],
          "GPU compiler refuses"),
+        ("k_read_with_swapped_strides", [("offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd",
+                                          "offs_t[:, None] * stride_kd + offs_d[None, :] * stride_kt")],
+         "k is read with its two stride arguments swapped"),
+        ("output_written_with_swapped_strides", [("offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe",
+                                                  "offs_t[:, None] * stride_oe + offs_e[None, :] * stride_ot")],
+         "o is written with its two stride arguments swapped"),
         ("loads_without_masks", [(",\n                mask=mask_td, other=0.0)", ")"),
                                  (",\n                mask=mask_te, other=0.0)", ")")], "NaN"),
         ("diagonal_masked_out", [("offs_t[:, None] >= offs_t[None, :], scores", "offs_t[:, None] > offs_t[None, :], scores")],
@@ -167,6 +173,10 @@ EXERCISES = {
     "chunked": ("ex4_chunked_kernel", lambda ns: exercises.check_chunked(ns["chunked_kernel"]), [
         ("scores_not_cast_for_the_product", [("o = tl.dot(scores.to(v.dtype), v,", "o = tl.dot(scores, v,")],
          "tl.dot takes two blocks of one dtype"),
+        # T = 32 tokens of 16 features: the swapped read is no transpose, and is named all the same
+        ("v_read_with_swapped_strides", [("rows[:, None] * stride_vt + offs_e[None, :] * stride_ve",
+                                          "rows[:, None] * stride_ve + offs_e[None, :] * stride_vt")],
+         "v is read with its two stride arguments swapped"),
         ("diagonal_masked_out", [("causal = offs_c[:, None] >= offs_c[None, :]", "causal = offs_c[:, None] > offs_c[None, :]")],
          "own contribution is missing"),
         ("state_updated_before_use",

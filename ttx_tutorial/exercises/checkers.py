@@ -253,16 +253,29 @@ def _sequence_diagnosis(case, out, inputs, spec, variants, rerun, passed, *, err
                   f"{_wrong_values_hint(case, error, passed)}")
 
 
+def _read_with_strides_swapped(x):
+    """What a load that multiplies the token index by the feature stride, and the feature index
+    by the token stride, reads from a contiguous (sequences, tokens, features) tensor: element
+    (t, i) of each sequence's flat t + i * features. None where that would leave the sequence."""
+    sequences, tokens, features = x.shape
+    index = torch.arange(tokens)[:, None] + torch.arange(features)[None, :] * features
+    if index.max() >= tokens * features:
+        return None
+    return x.reshape(sequences, tokens * features)[:, index]
+
+
 def _swapped_strides_diagnosis(case, out, inputs64, spec, right, tol):
-    """A load or store that multiplies the token index by the feature stride and the other way
-    round. On a contiguous case whose tensors are square in (tokens, features) that access reads
-    or writes exactly the transpose of each sequence's matrix, so it can be named. Tensors of
-    (sequences, tokens, features) only."""
+    """A load or store whose token index is multiplied by the feature stride and the other way
+    round, on a contiguous case of (sequence, token, feature) tensors: each input read that way
+    is tried in turn, and an output that is exactly the transpose of the right one (square
+    tensors) is named as written that way."""
     if case.any_transposed:
         return
-    square = [name for name, tensor in inputs64.items() if tensor.dim() == 3 and tensor.shape[1] == tensor.shape[2]]
-    for name in square:
-        wrong = spec(**{n: t.transpose(-1, -2) if n == name else t for n, t in inputs64.items()})
+    for name, tensor in inputs64.items():
+        swapped = _read_with_strides_swapped(tensor) if tensor.dim() == 3 else None
+        if swapped is None:
+            continue
+        wrong = spec(**{n: swapped if n == name else t for n, t in inputs64.items()})
         if relative_error(wrong, right) > 2 * tol and relative_error(out, wrong) <= 2 * tol:
             raise Failure(f"{name} is read with its two stride arguments swapped ({case.describe()}): element "
                           f"(t, i) of {name} lies at t times its token stride plus i times its feature stride.")
@@ -699,7 +712,7 @@ def check_small_dot(kernel, block_sizes) -> CheckResult:
     bf16_ok = interpreter_bf16_dot_ok()
     cases = [c for c in _sequence_cases(short_T=8, tail_T=5, long_T=16, small_D=4, small_E=12)
              if bf16_ok or c.dtype != torch.bfloat16]
-    cases[0] = Case({"BH": 2, "T": 8, "D": 8, "E": 8})
+    cases[0] = dataclasses.replace(cases[0], sizes={"BH": 2, "T": 8, "D": 8, "E": 8})
     own_token = "o_t must include k_t v_tᵀ: keep the diagonal of the causal mask (`>=`, s <= t)"
     options = dict(make_inputs=_qkv, spec=causal_product64, variants=_causal_variants(own_token), row_block=None,
                    out_shape=lambda c: (c.sizes["BH"], c.sizes["T"], c.sizes["E"]),
