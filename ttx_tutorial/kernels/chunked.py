@@ -873,7 +873,9 @@ def chunked_backward_kernel(
     # and to dk_s the sum of r_t q_t over the later chunks' tokens and the final z's gradient
     # (dz after the chunk; dz_0 after them all). r_t comes made, one number a token, from
     # normalizer_gradient_kernel, and dz per chunk from chunk_suffix_sums_kernel: carried next to
-    # R it would take registers the reverse walk has not got.
+    # R it would take registers the reverse walk has not got. (The forward walk could make r, as
+    # -(q_t . P_t g_t) / (d_t + eps), but only by running before the reverse walk instead of beside
+    # it, and a walk alone on its multiprocessor waits on its loads.)
     # Precision as in chunked_kernel.
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
