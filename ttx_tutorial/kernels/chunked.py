@@ -59,7 +59,8 @@ Tested: Triton 3.9's CPU interpreter; every launch compiled for sm_80 and sm_90 
 and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``, float32
 "tf32x3" and "tf32" and the token-by-token walks below included); the split into bfloat16 parts
 on an H200 (this file's and tests/test_precision.py's tests) and every rule tile on an H100; the
-normalised and feature-map tests on an H100 with the walks' loads as they are now.
+fused and normalised backward of this file (tests/test_chunked.py, test_attention.py and
+test_feature_maps.py) also on an H100.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
