@@ -47,7 +47,8 @@ enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
 (``input_precision="tf32x3"``, about 3e-7). So does the normalised attention, whose dq cancels
 to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
 divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
-forward and backward). "high" and "medium" take one TF32 product (about 1e-3).
+forward and backward). "high" and "medium" take one TF32 product (about 1e-3); keys up to 64
+wide then load k a chunk ahead into registers (``PREFETCH_K``, see the chunk loop).
 bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16 keeps them in
 float32 (TF32 products, exact for float16 inputs): long sequences of positive features pass
 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
@@ -660,6 +661,16 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
 
 
 @triton.jit
+def _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK: tl.constexpr):
+    """K_c^T [D, C] of chunk ``chunk``: zeros for tokens outside [0, T), so a chunk before the
+    first or past the last loads nothing."""
+    offs_t = chunk * CHUNK + offs_c
+    mask_t = (offs_t >= 0) & (offs_t < T)
+    return tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_t[None, :] * stride_kt,
+                   mask=mask_d[:, None] & mask_t[None, :], other=0.0)
+
+
+@triton.jit
 def chunked_kernel(
     q_ptr, k_ptr, v_ptr,            # inputs: q, k (B, H, T, D), v (B, H, T, E)
     o_ptr,                          # output (B, H, T, E), dtype of v
@@ -754,6 +765,14 @@ def chunked_kernel(
     # loop keeps its products and only sums 0 * O_c per row (NaN once anything in O_c is not finite);
     # a program that saw one redoes its tokens one by one after the loop.
     b_seen = tl.zeros([CHUNK], dtype=tl.float32)
+    # TF32 products take float32 tiles from shared memory with the summed dimension contiguous, so
+    # the one tile of k goes there in two layouts (Q K^T sums over D, K^T V over the tokens): the
+    # compiler loads it into registers for that, outside the pipeline of copies, and each chunk
+    # would wait on its own load. A chunk ahead in registers, that wait overlaps this chunk's work.
+    PREFETCH_K: tl.constexpr = INPUT_DTYPE == tl.float32 and FLOAT32_PRECISION == "tf32" and BLOCK_D <= 64
+    if PREFETCH_K:
+        b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 1, 0), offs_d, offs_c, mask_d,
+                              stride_kt, stride_kd, T, CHUNK)
     for i in range(num_chunks):
         chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
         offs_t = chunk * CHUNK + offs_c
@@ -762,8 +781,12 @@ def chunked_kernel(
         b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
         # k is loaded transposed, ready for both Q K^T and K^T V.
-        b_kt = tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_t[None, :] * stride_kt,
-                       mask=mask_d[:, None] & mask_t[None, :], other=0.0)         # [D, C]
+        if PREFETCH_K:
+            b_kt = b_kt_next
+            b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 2 - i, i + 1), offs_d, offs_c, mask_d,
+                                  stride_kt, stride_kd, T, CHUNK)
+        else:
+            b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
         if INTERPRETED:
