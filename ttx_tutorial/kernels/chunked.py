@@ -780,13 +780,13 @@ def chunked_kernel(
         # Zero rows past T contribute nothing to the scores or the state.
         b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
-        # k is loaded transposed, ready for both Q K^T and K^T V.
+        # k is loaded transposed, ready for both Q K^T and K^T V; under TF32 a chunk ahead.
         if PREFETCH_K:
-            b_kt = b_kt_next
+            b_kt = b_kt_next                                                       # [D, C]
             b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 2 - i, i + 1), offs_d, offs_c, mask_d,
                                   stride_kt, stride_kd, T, CHUNK)
         else:
-            b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)
+            b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)  # [D, C]
         b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
         if INTERPRETED:
