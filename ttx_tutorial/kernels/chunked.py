@@ -769,6 +769,8 @@ def chunked_kernel(
     # the one tile of k goes there in two layouts (Q K^T sums over D, K^T V over the tokens): the
     # compiler loads it into registers for that, outside the pipeline of copies, and each chunk
     # would wait on its own load. A chunk ahead in registers, that wait overlaps this chunk's work.
+    # 16-bit tiles need no such load (one copy serves both products); under 3xTF32 or with wider
+    # keys the extra tile costs registers that those tiles lack, and it ran slower.
     PREFETCH_K: tl.constexpr = INPUT_DTYPE == tl.float32 and FLOAT32_PRECISION == "tf32" and BLOCK_D <= 64
     if PREFETCH_K:
         b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 1, 0), offs_d, offs_c, mask_d,
