@@ -61,7 +61,8 @@ and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``
 "tf32x3" and "tf32" and the token-by-token walks below included); the split into bfloat16 parts
 on an H200 (this file's and tests/test_precision.py's tests) and every rule tile on an H100; the
 fused and normalised backward of this file (tests/test_chunked.py, test_attention.py and
-test_feature_maps.py) also on an H100.
+test_feature_maps.py) also on an H100, and so the float32 tests of test_precision.py,
+test_chunked.py and test_attention.py with ``PREFETCH_K``.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
@@ -769,8 +770,10 @@ def chunked_kernel(
     # the one tile of k goes there in two layouts (Q K^T sums over D, K^T V over the tokens): the
     # compiler loads it into registers for that, outside the pipeline of copies, and each chunk
     # would wait on its own load. A chunk ahead in registers, that wait overlaps this chunk's work.
-    # 16-bit tiles need no such load (one copy serves both products); under 3xTF32 or with wider
-    # keys the extra tile costs registers that those tiles lack, and it ran slower.
+    # 16-bit tiles need no such load (one copy serves both products), nor does the split into
+    # bfloat16 parts (its operands are made in registers); under 3xTF32 or with wider keys the
+    # extra tile costs registers that those tiles lack, and it ran slower (an H100,
+    # benchmarks/NOTES.md).
     PREFETCH_K: tl.constexpr = INPUT_DTYPE == tl.float32 and FLOAT32_PRECISION == "tf32" and BLOCK_D <= 64
     if PREFETCH_K:
         b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 1, 0), offs_d, offs_c, mask_d,
@@ -782,7 +785,7 @@ def chunked_kernel(
         # Zero rows past T contribute nothing to the scores or the state.
         b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
                       mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
-        # k is loaded transposed, ready for both Q K^T and K^T V; under TF32 a chunk ahead.
+        # k is loaded transposed, ready for both Q K^T and K^T V; with PREFETCH_K a chunk ahead.
         if PREFETCH_K:
             b_kt = b_kt_next                                                       # [D, C]
             b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 2 - i, i + 1), offs_d, offs_c, mask_d,
