@@ -137,6 +137,14 @@ def wrapper_calls(module):
     # float32 under TF32 ("high"): its own tiles (whole value heads up to 128 columns in chunked).
     for D, E in COVERAGE_HEAD_DIMS:
         add(2, 3, 777, D, E, torch.float32, matmul_precision="high")
+    # chunked's transposed TF32 loop (keys 128 wide) beyond those few heads' narrowed blocks:
+    # whole value heads (many heads), packed sequences, a carry past 4096 chunks, and the
+    # normalised attention, whose forward keeps the untransposed loop and whose passes do not.
+    if hasattr(module, "TRANSPOSED_KEY_BLOCKS"):
+        add(8, 16, 64, 128, 128, torch.float32, matmul_precision="high")
+        add(1, 4, 3000, 128, 128, torch.float32, cu_seqlens=(0, 1000, 1000, 2999, 3000), matmul_precision="high")
+        add(1, 1, LONG_T, 128, 128, torch.float32, with_state=False, matmul_precision="high")
+        add(2, 3, 777, 128, 128, torch.float32, normalized=True, matmul_precision="high")
     # The other products of "highest" at two tiles: 3xTF32 where the file's default is the split
     # into bfloat16 parts (BF16X3_MANUAL: chunked; 3xTF32 is then the products of small calls,
     # of the normalised attention, and what benchmarks/float32_sweep.py times with --products
@@ -326,6 +334,8 @@ def compile_shard(family, target, shard, shards):
             "num_stages": result.num_stages,
             "async_copies": result.ok and "cp.async" in result.ptx,
             "tensor_core_instructions": result.tensor_core_instructions() if result.ok else [],
+            "warp_group_products": result.ptx.count("wgmma.mma_async") if result.ok else 0,
+            "transposed": bool(kwargs.get("TRANSPOSED")), "block_e": kwargs.get("BLOCK_E"),
         })
     print(json.dumps(results))
 
@@ -408,6 +418,10 @@ EXPECTED_INSTRUCTIONS = [
     ("scan", "sm_90", lambda r: _default_16bit_head(r["call"]) and r["call"]["shape"][2] >= 64
      and r["kernel"] not in WITHOUT_PRODUCTS,
      "wgmma", lambda r: any(op.startswith("wgmma") for op in r["tensor_core_instructions"])),
+    # chunked's transposed TF32 loop on whole 128-column value heads: its products of 128 rows run
+    # as warp-group products (the untransposed loop has 4 there, its state product's).
+    ("chunked", "sm_90", lambda r: r["transposed"] and r["block_e"] == 128,
+     "at least 16 warp-group products (wgmma)", lambda r: r["warp_group_products"] >= 16),
     # The chunked kernels with products run them on tensor cores.
     ("chunked", "sm_80", lambda r: _default_16bit_head(r["call"]) and r["kernel"] not in WITHOUT_PRODUCTS,
      "tensor-core mma", lambda r: bool(r["tensor_core_instructions"])),

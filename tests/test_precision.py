@@ -10,6 +10,7 @@ new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy
 import contextlib
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import ttx_tutorial
 from ttx_tutorial.kernels import chunked, scan
+from ttx_tutorial.references import cumsum, quadratic
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
                                   reference_gradients, relative_error)
 
@@ -593,3 +595,128 @@ def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path):
     if ttx_tutorial.INTERPRETED:
         with pytest.raises(SystemExit):
             sweep.main(["--shapes", "1,1,17,16", "--products", "bf16x3"])
+
+
+# chunked's transposed TF32 loop (``TRANSPOSED``): float32 under one TF32 product on 128-wide
+# key blocks. The interpreter tests below take it on 32-wide keys (``TRANSPOSED_KEY_BLOCKS``
+# patched), where its tiles are small enough to run quickly; a spy on ``chunked._transposed``
+# makes each test fail if the loop was not taken.
+
+@pytest.fixture
+def transposed_on(monkeypatch, matmul_precision):
+    """float32 under "high", with the transposed loop on the key blocks given (a frozenset), and a
+    list that records every plan's decision (True: the transposed loop)."""
+    matmul_precision("high")
+    decisions = []
+    decide = chunked._transposed
+
+    def spy(*args, **kwargs):
+        decisions.append(decide(*args, **kwargs))
+        return decisions[-1]
+
+    def switch(blocks):
+        monkeypatch.setattr(chunked, "TRANSPOSED_KEY_BLOCKS", frozenset(blocks))
+        chunked._launch_plan.cache_clear()  # plans made before hold the blocks they were made with
+        return decisions
+
+    monkeypatch.setattr(chunked, "_transposed", spy)
+    yield switch
+    chunked._launch_plan.cache_clear()
+
+
+def _plan_keywords(B, H, T, D, E, precision="tf32", normalize=False, dtype=torch.float32, interpreted=False):
+    return chunked._launch_plan(B, H, T, D, E, dtype, chunked._NOMINAL_LIMITS, interpreted, precision, (), normalize)[1]
+
+
+def test_the_transposed_loop_is_taken_for_float32_tf32_on_128_wide_keys_only():
+    """Plain launches of float32 under one TF32 product with key blocks of 128; never under 3xTF32
+    or the split, for 16-bit inputs, at 64 or 256 (where it ran slower or its products would
+    have 32 rows), nor in the normalised forward."""
+    assert chunked.TRANSPOSED_KEY_BLOCKS == frozenset({128})
+    assert _plan_keywords(8, 16, 4096, 128, 128)["TRANSPOSED"]
+    assert _plan_keywords(2, 3, 70, 100, 40)["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 128, 128, precision="tf32x3")["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 128, 128, precision="bf16x3_manual")["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 128, 128, dtype=torch.bfloat16)["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 64, 64)["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 256, 256)["TRANSPOSED"]
+    assert not _plan_keywords(8, 16, 4096, 128, 128, normalize=True)["TRANSPOSED"]
+
+
+def test_transposed_value_blocks_of_32_take_64_token_chunks():
+    """Few heads narrow the value blocks to 32 columns; with its state in registers the transposed
+    loop then takes 64-token chunks (2.9x faster than 32 at (2, 16, 16384, 128) on an H100), on
+    4 warps and 3 stages, within the shared memory. Whole heads keep 32-token chunks on 8 warps,
+    and a normalising plan, which walks the untransposed loop, keeps 32-token chunks."""
+    few_heads = _plan_keywords(2, 16, 16384, 128, 128)
+    assert {key: few_heads[key] for key in chunked.CONFIG_KEYS} == {
+        "BLOCK_E": 32, "CHUNK": 64, "num_warps": 4, "num_stages": 3}
+    many_heads = _plan_keywords(8, 16, 4096, 128, 128)
+    assert {key: many_heads[key] for key in chunked.CONFIG_KEYS} == {
+        "BLOCK_E": 128, "CHUNK": 32, "num_warps": 8, "num_stages": 3}
+    normalizing = _plan_keywords(2, 16, 16384, 128, 128, normalize=True)
+    assert (normalizing["BLOCK_E"], normalizing["CHUNK"]) == (32, 32)
+    for heads in (1, 32, 128):
+        config = chunked.default_config(128, 128, torch.float32, heads=heads, multiprocessors=132, precision="tf32",
+                                        transposed=True)
+        assert chunked._shared_memory_estimate(128, config, torch.float32, transposed=True) \
+            <= chunked._NOMINAL_LIMITS[1]
+    assert chunked._shared_memory_estimate(128, few_heads, torch.float32, transposed=True) \
+        < chunked._shared_memory_estimate(128, few_heads, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["state", "packed", "carry", "empty"])
+def test_the_transposed_loop_matches_float64(case, transposed_on, monkeypatch, device):
+    """The transposed loop, forward and every gradient (its three backward passes walk it too,
+    two in reverse), against float64: from an initial state and into the final state's gradient,
+    on packed sequences with an empty one, with the Kahan carry from the first chunk, and on
+    sequences of no tokens, with NaN-poisoned outputs."""
+    decisions = transposed_on({32})
+    if case == "carry":
+        monkeypatch.setattr(chunked, "COMPENSATED_FROM_CHUNKS", 0)
+    B, H, T, D, E = (1, 2, 0, 24, 20) if case == "empty" else (2, 1, 83, 24, 20)
+    cu_seqlens = None
+    if case == "packed":
+        B, cu_seqlens = 1, torch.tensor([0, 30, 30, 2 * T], device=device)
+        T = 2 * T
+    q, k, v, s0 = random_inputs(B, H, T, D, E, device=device, seed=len(case), initial_state=True)
+    if cu_seqlens is not None:
+        s0 = torch.randn(3, H, D, E, generator=torch.Generator().manual_seed(5)).to(device)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+    grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
+    with poisoned_allocations():
+        o, state = chunked.chunked_causal_product(*leaves, cu_seqlens=cu_seqlens)
+        torch.autograd.backward((o, state), (grad_o, grad_state))
+    assert decisions and all(decisions), decisions
+
+    expected = [x.detach().to("cpu", torch.float64).requires_grad_() for x in (q, k, v, s0)]
+    ref_o, ref_state = quadratic(*expected, cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
+    torch.autograd.backward((ref_o, ref_state), (grad_o.cpu().double(), grad_state.cpu().double()))
+    tolerance = TOLERANCES[torch.float32] if ttx_tutorial.INTERPRETED else TF32_TOLERANCE
+    for name, value, reference_value in (("o", o, ref_o), ("S_T", state, ref_state),
+                                         *((f"d{name}", x.grad, y.grad) for name, x, y in zip(("q", "k", "v", "S_0"),
+                                                                                              leaves, expected))):
+        error = relative_error(value, reference_value)
+        assert error <= tolerance, f"{case} {name}: relative error {error:.2e} above {tolerance:.0e}"
+
+
+@pytest.mark.parametrize("where", ["v", "k", "S_0"])
+def test_the_transposed_loop_keeps_non_finite_values_causal(where, transposed_on, device):
+    """An inf late in a chunk of v or k: the transposed loop, like the untransposed one, sees it
+    in its chunk products and redoes the program's tokens one by one, so the outputs before it stay
+    finite and exact. An inf in S_0 stays inf in every output and in S_T where the recurrence puts it."""
+    decisions = transposed_on({32})
+    B, H, T, D, E = 1, 2, 100, 24, 20
+    q, k, v, s0 = (x.clone() for x in random_inputs(B, H, T, D, E, device=device, seed=7, initial_state=True))
+    {"v": v, "k": k, "S_0": s0}[where][0, 1, 70 if where != "S_0" else 3, 5] = math.inf
+    with poisoned_allocations():
+        o, state = chunked.chunked_causal_product(q, k, v, s0)
+    assert decisions and all(decisions), decisions
+    ref_o, ref_state = cumsum(*(x.cpu().double() for x in (q, k, v, s0)))
+    tolerance = TOLERANCES[torch.float32] if ttx_tutorial.INTERPRETED else TF32_TOLERANCE
+    for name, value, expected in (("o", o, ref_o), ("S_T", state, ref_state)):
+        value = value.cpu().double()
+        assert torch.equal(value.isfinite(), expected.isfinite()), f"{where} {name}: non-finite elsewhere than float64"
+        assert torch.equal(value.isnan(), expected.isnan()), f"{where} {name}: NaN elsewhere than float64"
+        finite = expected.isfinite()
+        assert finite.any() and relative_error(value[finite], expected[finite]) <= tolerance, (where, name)

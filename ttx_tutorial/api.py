@@ -89,10 +89,18 @@ _TF32X3_SCAN_FROM_LENGTH = 4096
 
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
-def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: str | None) -> int:
-    """The value columns of one "chunked" program, by the kernel file's own rule (before it
-    narrows blocks to fill an idle GPU, which is what this count decides about)."""
-    return chunked.default_config(D, E, dtype, precision=float32_precision or "tf32x3")["BLOCK_E"]
+def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: str | None,
+                         heads: int | None = None, multiprocessors: int | None = None) -> int:
+    """The value columns of one "chunked" program, by the kernel file's own rule before it narrows
+    blocks to fill an idle GPU (which is what this count decides about), except where chunked
+    walks its transposed TF32 loop (``chunked._transposed``): there the narrowed blocks, with the
+    longer chunks they take, ran faster than scan (2.6x forward at (2, 16, 16384, 128) on an
+    H100), so they are counted after narrowing for ``heads`` (B * H) on ``multiprocessors``."""
+    precision = float32_precision or "tf32x3"
+    if chunked._transposed(dtype, precision, chunked._block(D), normalize=False):
+        return chunked.default_config(D, E, dtype, heads=heads, multiprocessors=multiprocessors,
+                                      precision=precision, transposed=True)["BLOCK_E"]
+    return chunked.default_config(D, E, dtype, precision=precision)["BLOCK_E"]
 
 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
@@ -105,7 +113,7 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every sequence
     over segments (programs counted with chunked's value blocks before it narrows them for few
     heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
-    from D = 65 to 128 those are whole heads up to 128 columns). float32 under "highest" runs
+    from D = 65 to 128, where chunked walks its transposed loop, counted after that narrowing). float32 under "highest" runs
     chunked's products as a split into bfloat16 parts (three bfloat16 products) and scan's as
     3xTF32 (three TF32 products, at half the rate; the kernel files' ``FLOAT32_PRECISIONS``): then
     chunked is the faster of the two wherever the programs fill the GPU, forward+backward too, and
@@ -168,7 +176,7 @@ def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiproce
                 return "chunked"
         elif gradients and T >= _TF32X3_SCAN_FROM_LENGTH and D <= _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "scan"
-    programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision))
+    programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision, B * H, multiprocessors))
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"

@@ -697,6 +697,7 @@ def chunked_kernel(
     FLOAT32_PRECISION: tl.constexpr,  # float32 operands: "tf32x3", "tf32" or a split (see _dot)
     IS_VARLEN: tl.constexpr,        # q, k, v, o hold B sequences packed in one row (see the header)
     NORMALIZE: tl.constexpr,        # divide o_t by d_t + eps, d_t = q_t . z_t (forward walk only)
+    TRANSPOSED: tl.constexpr,       # walk O_c^T and S^T (see the loops); float32 TF32 products only
 ):
     """One program per (batch, head, BLOCK_E value columns) walks the chunks: O_c, then S_c."""
     # The arguments as passed, for a token-by-token walk after the chunk loop (see the end).
@@ -778,50 +779,92 @@ def chunked_kernel(
     if PREFETCH_K:
         b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 1, 0), offs_d, offs_c, mask_d,
                               stride_kt, stride_kd, T, CHUNK)
-    for i in range(num_chunks):
-        chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
-        offs_t = chunk * CHUNK + offs_c
-        mask_t = offs_t < T
-        # Zero rows past T contribute nothing to the scores or the state.
-        b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                      mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
-        # k is loaded transposed, ready for both Q K^T and K^T V; with PREFETCH_K a chunk ahead.
-        if PREFETCH_K:
-            b_kt = b_kt_next                                                       # [D, C]
-            b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 2 - i, i + 1), offs_d, offs_c, mask_d,
-                                  stride_kt, stride_kd, T, CHUNK)
-        else:
+    if TRANSPOSED:
+        # Under TF32 a product takes a register tile only as its first operand, and one from shared
+        # memory only with its summed dimension contiguous. With 128-wide keys the untransposed
+        # loop stores the whole state to shared memory every chunk for Q S, and its 32-row
+        # products run as the older ``mma.sync``. Transposed, every product but the scores has the
+        # state's or the values' rows as its own, and S^T stays in registers between them:
+        #     O_c^T = S_{c-1}^T Q_c^T + V_c^T ((Q_c K_c^T) * M)^T,   S_c^T = S_{c-1}^T + V_c^T K_c
+        # q serves Q K^T and S^T Q^T as it lies (D contiguous), the scores as computed are P^T
+        # with the summed tokens contiguous, and k takes a second layout for V^T K.
+        tl.static_assert(not NORMALIZE, "the transposed loop carries no normaliser")
+        mask_ed = mask_e[:, None] & mask_d[None, :]
+        b_state_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+        if has_initial_state:
+            b_state_t = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
+                                mask=mask_ed, other=0.0).to(tl.float32)
+        b_carry_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+        for i in range(num_chunks):
+            chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
+            offs_t = chunk * CHUNK + offs_c
+            mask_t = offs_t < T
+            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
             b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)  # [D, C]
-        b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
-                      mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
-        if INTERPRETED:
-            b_q = b_q.to(tl.float32)
-            b_kt = b_kt.to(tl.float32)
-            b_v = b_v.to(tl.float32)
+            b_vt = tl.load(v_ptr + offs_e[:, None] * stride_ve + offs_t[None, :] * stride_vt,
+                           mask=mask_e[:, None] & mask_t[None, :], other=0.0)          # [E, C]
+            # A tile used as loaded or as carried goes to its product through shared memory; one
+            # made by an operation (this select, true wherever the tile is nonzero) stays in registers.
+            b_vt = tl.where(mask_e[:, None], b_vt, 0.0)
+            b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
+            b_scores = tl.where(visible, b_scores, 0.0)
+            b_ot = _dot(tl.where(mask_e[:, None], b_state_t, 0.0), tl.trans(b_q), None,
+                        FLOAT32_PRECISION, INTERPRETED)                                 # [E, C]
+            b_ot = _dot(b_vt, tl.trans(b_scores), b_ot, FLOAT32_PRECISION, INTERPRETED)
+            b_state_t, b_carry_t = _add_product(b_state_t, b_carry_t, b_vt, tl.trans(b_kt), COMPENSATED,
+                                                FLOAT32_PRECISION, INTERPRETED)
+            b_seen += tl.sum(b_ot * 0.0, 0)
+            tl.store(o_ptr + offs_e[:, None] * stride_oe + offs_t[None, :] * stride_ot,
+                     _rounded(b_ot, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_e[:, None] & mask_t[None, :])
+        final_state_ptr += b * stride_sfb + h * stride_sfh
+        tl.store(final_state_ptr + offs_e[:, None] * stride_sfe + offs_d[None, :] * stride_sfd, b_state_t,
+                 mask=mask_ed)
+    else:
+        for i in range(num_chunks):
+            chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
+            offs_t = chunk * CHUNK + offs_c
+            mask_t = offs_t < T
+            # Zero rows past T contribute nothing to the scores or the state.
+            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
+            # k is loaded transposed, ready for both Q K^T and K^T V; with PREFETCH_K a chunk ahead.
+            if PREFETCH_K:
+                b_kt = b_kt_next                                                       # [D, C]
+                b_kt_next = _key_tile(k_ptr, tl.where(reverse != 0, num_chunks - 2 - i, i + 1), offs_d, offs_c, mask_d,
+                                      stride_kt, stride_kd, T, CHUNK)
+            else:
+                b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)  # [D, C]
+            b_v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_e[None, :] * stride_ve,
+                          mask=mask_t[:, None] & mask_e[None, :], other=0.0)          # [C, E]
+            if INTERPRETED:
+                b_q = b_q.to(tl.float32)
+                b_kt = b_kt.to(tl.float32)
+                b_v = b_v.to(tl.float32)
 
-        # O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c, then S_c = S_{c-1} + K_c^T V_c. In this order
-        # the state update is the last product of the loop, so the GPU leaves it running while the
-        # program stores O_c and issues the next loads (Triton waits on every other product at once).
-        b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
-        b_scores = tl.where(visible, b_scores, 0.0)
-        b_o = _dot(b_q.to(MIXED_DOT_DTYPE), _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
-                   None, FLOAT32_PRECISION, INTERPRETED)                             # [C, E]
-        b_o = _dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
-                   b_o, FLOAT32_PRECISION, INTERPRETED)
-        if NORMALIZE:
-            b_o = _normalized(b_o, b_scores, b_q, b_key_sum, eps, denominator_ptr + (b * H + h) * T + offs_t,
-                              offs_t < stored_tokens)
-            b_key_sum, b_key_sum_carry = _add_product(b_key_sum, b_key_sum_carry, b_kt, b_units, COMPENSATED,
-                                                      FLOAT32_PRECISION, INTERPRETED)
-        b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
-        b_seen += tl.sum(b_o * 0.0, 1)
+            # O_c = Q_c S_{c-1} + ((Q_c K_c^T) * M) V_c, then S_c = S_{c-1} + K_c^T V_c. In this order
+            # the state update is the last product of the loop, so the GPU leaves it running while the
+            # program stores O_c and issues the next loads (Triton waits on every other product at once).
+            b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
+            b_scores = tl.where(visible, b_scores, 0.0)
+            b_o = _dot(b_q.to(MIXED_DOT_DTYPE), _rounded(b_state, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE),
+                       None, FLOAT32_PRECISION, INTERPRETED)                             # [C, E]
+            b_o = _dot(_rounded(b_scores, MIXED_DTYPE, INTERPRETED).to(MIXED_DOT_DTYPE), b_v.to(MIXED_DOT_DTYPE),
+                       b_o, FLOAT32_PRECISION, INTERPRETED)
+            if NORMALIZE:
+                b_o = _normalized(b_o, b_scores, b_q, b_key_sum, eps, denominator_ptr + (b * H + h) * T + offs_t,
+                                  offs_t < stored_tokens)
+                b_key_sum, b_key_sum_carry = _add_product(b_key_sum, b_key_sum_carry, b_kt, b_units, COMPENSATED,
+                                                          FLOAT32_PRECISION, INTERPRETED)
+            b_state, b_carry = _add_product(b_state, b_carry, b_kt, b_v, COMPENSATED, FLOAT32_PRECISION, INTERPRETED)
+            b_seen += tl.sum(b_o * 0.0, 1)
 
-        tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
-                 _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
+            tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_e[None, :] * stride_oe,
+                     _rounded(b_o, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_t[:, None] & mask_e[None, :])
 
-    final_state_ptr += b * stride_sfb + h * stride_sfh
-    tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
-             b_state, mask=mask_de)
+        final_state_ptr += b * stride_sfb + h * stride_sfh
+        tl.store(final_state_ptr + offs_d[:, None] * stride_sfd + offs_e[None, :] * stride_sfe,
+                 b_state, mask=mask_de)
     if NORMALIZE:
         tl.store(final_state_ptr + offs_d * stride_sfd + E * stride_sfe, tl.sum(b_key_sum, 1),
                  mask=offs_d < stored_rows)
@@ -1081,11 +1124,25 @@ def _block(n):
     return max(16, triton.next_power_of_2(n))
 
 
-def _shared_memory_estimate(block_d, config, dtype):
+def _shared_memory_estimate(block_d, config, dtype, transposed=False):
     """Bytes of shared memory: ``num_stages`` chunks of q, k and v in flight, plus the state as a
-    product operand (counted at 4 bytes, as float16 inputs need)."""
+    product operand (counted at 4 bytes, as float16 inputs need), which the transposed loop
+    keeps in registers."""
     chunk_bytes = config["CHUNK"] * (2 * block_d + config["BLOCK_E"]) * dtype.itemsize
-    return config["num_stages"] * chunk_bytes + block_d * config["BLOCK_E"] * 4
+    return config["num_stages"] * chunk_bytes + (0 if transposed else block_d * config["BLOCK_E"] * 4)
+
+
+#: Key blocks (BLOCK_D) on which float32 under one TF32 product walks the transposed loop
+#: (``TRANSPOSED`` in ``chunked_kernel``). At 64 it ran slower than the untransposed loop (which
+#: loads k a chunk ahead there); at 256 the value blocks are 32 wide and its products would
+#: have 32 rows, where a ``wgmma`` needs 64.
+TRANSPOSED_KEY_BLOCKS = frozenset({128})
+
+
+def _transposed(dtype, precision, block_d, normalize):
+    """Whether a launch walks the transposed loop: float32 inputs, one TF32 product, a key block
+    in ``TRANSPOSED_KEY_BLOCKS``, and not the normalised forward (whose loop carries z)."""
+    return dtype == torch.float32 and precision == "tf32" and block_d in TRANSPOSED_KEY_BLOCKS and not normalize
 
 
 #: (multiprocessors, shared memory per block) of an H100/H200, assumed where no GPU answers.
@@ -1148,7 +1205,7 @@ def split_is_right(block_d, block_e, chunk):
 
 
 def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memory=_NOMINAL_LIMITS[1],
-                   precision="tf32x3"):
+                   precision="tf32x3", transposed=False):
     """The wrapper's rule for key size D, value size E and input dtype, given B * H (``heads``)
     and the GPU's multiprocessors and shared memory (None: unknown); for float32 inputs,
     ``precision`` is their products' (``float32_precision()``: "bf16x3_manual", "tf32x3" or
@@ -1174,6 +1231,10 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
       registers a thread on 4 warps; 4 stages of loads.
     - float16: 8 warps, 32-token chunks for D > 64 (its TF32 products hold float32 copies of q,
       the state and the scores), 3 stages.
+    - ``transposed`` (the transposed TF32 loop, ``_transposed``): 64-token chunks where value
+      blocks are 32 wide (few heads); its state lives in registers, which leaves room for them.
+      At (2, 16, 16384, 128) 2.9x faster than 32-token chunks on an H100 (benchmarks/NOTES.md,
+      2026-12-07).
     Stages down to 2, then chunk length, then the last stages shrink until the loads fit the
     GPU's shared memory.
     """
@@ -1186,7 +1247,7 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
         while block_e > 32 and 2 * heads * triton.cdiv(E, block_e) < multiprocessors:
             block_e //= 2
     if dtype == torch.float32 and precision == "tf32":
-        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32,
+        config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 or (transposed and block_e <= 32) else 32,
                   "num_warps": 4 if block_d * block_e <= 8192 else 8, "num_stages": 3}
     elif dtype == torch.float32:
         config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 4 if block_d <= 64 else 8,
@@ -1195,7 +1256,7 @@ def default_config(D, E, dtype, *, heads=None, multiprocessors=None, shared_memo
         config = {"BLOCK_E": block_e, "CHUNK": 64, "num_warps": 4, "num_stages": 4}
     else:
         config = {"BLOCK_E": block_e, "CHUNK": 64 if block_d <= 64 else 32, "num_warps": 8, "num_stages": 3}
-    while _shared_memory_estimate(block_d, config, dtype) > shared_memory:
+    while _shared_memory_estimate(block_d, config, dtype, transposed) > shared_memory:
         if config["num_stages"] > 2:
             config["num_stages"] -= 1
         elif config["CHUNK"] > 16:
@@ -1233,24 +1294,27 @@ def _compensated(T, chunk):
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides):
+def _launch_plan(B, H, T, D, E, dtype, limits, interpreted, precision, overrides, normalize=False):
     """(grid, launch keywords) of ``chunked_kernel`` for one shape: the rule with the (checked)
     ``overrides`` applied, then the constexprs. Pure, so cached: a call at a known shape skips the
     rule's microseconds. ``precision``: the float32 products' (``float32_precision``); a split
-    into bfloat16 parts becomes 3xTF32 on a tile where ``split_is_right`` says no. The returned
-    dict is shared; callers must not modify it."""
+    into bfloat16 parts becomes 3xTF32 on a tile where ``split_is_right`` says no. ``normalize``:
+    the normalised forward, which never walks the transposed loop. The returned dict is shared;
+    callers must not modify it."""
     multiprocessors, shared_memory = limits
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
+    transposed = _transposed(dtype, precision, _block(D), normalize)
     chosen = {**_cached_default_config(D, E, dtype, heads=B * H, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory, precision=precision),
+                                       shared_memory=shared_memory, precision=precision, transposed=transposed),
               **dict(overrides)}
     if precision == BF16X3_MANUAL.value and not split_is_right(_block(D), chosen["BLOCK_E"], chosen["CHUNK"]):
         precision = "tf32x3"
     grid = (B * H * triton.cdiv(E, chosen["BLOCK_E"]),)
     return grid, {"BLOCK_D": _block(D), "BLOCK_E": chosen["BLOCK_E"], "CHUNK": chosen["CHUNK"],
                   "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, chosen["CHUNK"]),
-                  "FLOAT32_PRECISION": precision, "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
+                  "FLOAT32_PRECISION": precision, "TRANSPOSED": transposed,
+                  "num_warps": chosen["num_warps"], "num_stages": chosen["num_stages"]}
 
 
 def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denominator=None, eps=0.0,
@@ -1274,7 +1338,7 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
     # config was checked by check_config in _run_validated; as sorted items it keys the cache.
     grid, launch_keywords = _launch_plan(B, H, T, D, E, q.dtype, _device_limits(q.device),
                                          triton.knobs.runtime.interpret, precision,
-                                         () if config is None else tuple(sorted(config.items())))
+                                         () if config is None else tuple(sorted(config.items())), normalize)
     # o laid out as v (any dense strides): a (B, T, H, E) buffer seen as (B, H, T, E) gets an o
     # that the caller reshapes back without a copy, and a leaf gets a gradient it keeps as is.
     o = torch.empty_like(v, dtype=v.dtype if out_dtype is None else out_dtype)
