@@ -48,7 +48,9 @@ enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
 to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
 divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
 forward and backward). "high" and "medium" take one TF32 product (about 1e-3); keys up to 64
-wide then load k a chunk ahead into registers (``PREFETCH_K``, see the chunk loop).
+wide then load k a chunk ahead into registers (``PREFETCH_K``, see the chunk loop), and keys
+128 wide walk the chunks transposed, O_c^T and S^T, with the state in registers (``TRANSPOSED``,
+``TRANSPOSED_KEY_BLOCKS``; not the normalised forward, whose walk carries z).
 bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16 keeps them in
 float32 (TF32 products, exact for float16 inputs): long sequences of positive features pass
 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
