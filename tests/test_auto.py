@@ -204,12 +204,17 @@ _HIGH_H100_RUN = {shape: {**tf32, "recurrent": _HIGHEST_H100_RUN[shape]["recurre
     (1, 8, 65536, 64, 64): {"chunked": (2.741, 10.63), "scan": (0.433, 1.323)},
 }.items()}
 
-#: float32 under "high" at D = 128, chunked walking its transposed loop (its rule's tile, E32 C64
-#: w4 s3 at this shape) and scan, GPU ms (CUDA-graph replay) forward / forward+backward on one
-#: H100 (torch 2.11, Triton 3.6, 2026-12-07; benchmarks/NOTES.md); recurrent as above.
+#: float32 under "high" with chunked's transposed TF32 loop at D = 128, ms a call forward /
+#: forward+backward in one process on an H100 (torch 2.11, Triton 3.6, 2026-12-07): ``python -m
+#: ttx_tutorial.bench --shapes '8,16,4096,64;8,16,4096,128;1,8,65536,64;2,16,16384,128' --sweep
+#: '' --dtypes float32 --methods recurrent,chunked,scan --peers fla_chunk,fla_fused_chunk
+#: --float32-settings high`` (docs/perf/2026-12-07-h100-float32-high/bench.json; recurrent, which
+#: has no matrix products, from its "highest" rows).
 _HIGH_TRANSPOSED_H100 = {
-    (2, 16, 16384, 128, 128): {"chunked": (0.6256, 2.5604), "scan": (1.1102, 3.6440),
-                               "recurrent": _HIGHEST_H100_RUN[2, 16, 16384, 128, 128]["recurrent"]},
+    (8, 16, 4096, 64, 64): {"chunked": (0.234, 1.069), "scan": (0.365, 1.204), "recurrent": (0.996, 3.973)},
+    (8, 16, 4096, 128, 128): {"chunked": (0.563, 2.239), "scan": (1.095, 3.652), "recurrent": (1.738, 7.173)},
+    (1, 8, 65536, 64, 64): {"chunked": (2.402, 9.710), "scan": (0.429, 1.320), "recurrent": (2.276, 9.222)},
+    (2, 16, 16384, 128, 128): {"chunked": (0.657, 2.823), "scan": (1.111, 3.632), "recurrent": (3.381, 13.523)},
 }
 
 
@@ -271,8 +276,9 @@ def matmul_highest():
 @pytest.mark.gpu
 def test_auto_follows_pytorchs_float32_precision(monkeypatch):
     """With a backward to follow: at (2, 16, 16384, 128) "highest" takes chunked (its split into
-    bfloat16 parts, where scan's 3xTF32 tiles spill) and "high" (TF32 in both) scan; at (8, 16,
-    4096, 64) with both files at 3xTF32, "highest" takes scan and "high" chunked."""
+    bfloat16 parts, where scan's 3xTF32 tiles spill), and so does "high" (TF32 in both: chunked's
+    transposed loop on narrowed blocks); at (8, 16, 4096, 64) with both files at 3xTF32,
+    "highest" takes scan and "high" chunked."""
     wide = random_inputs(2, 16, 16384, 128, device="cuda")
     q, k, v = random_inputs(8, 16, 4096, 64, device="cuda")
     previous = torch.get_float32_matmul_precision()
@@ -282,7 +288,7 @@ def test_auto_follows_pytorchs_float32_precision(monkeypatch):
         monkeypatch.setitem(chunked.FLOAT32_PRECISIONS, "highest", "tf32x3")
         assert ttx_tutorial.choose_method(q, v, gradients=True) == "scan"
         torch.set_float32_matmul_precision("high")
-        assert ttx_tutorial.choose_method(wide[0], wide[2], gradients=True) == "scan"
+        assert ttx_tutorial.choose_method(wide[0], wide[2], gradients=True) == "chunked"
         assert ttx_tutorial.choose_method(q, v, gradients=True) == "chunked"
     finally:
         torch.set_float32_matmul_precision(previous)

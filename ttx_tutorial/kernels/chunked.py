@@ -64,7 +64,9 @@ and 3.9; the test suite on an H200 with Triton 3.6 (``NORMALIZE``, ``IS_VARLEN``
 on an H200 (this file's and tests/test_precision.py's tests) and every rule tile on an H100; the
 fused and normalised backward of this file (tests/test_chunked.py, test_attention.py and
 test_feature_maps.py) also on an H100, and so the float32 tests of test_precision.py,
-test_chunked.py and test_attention.py with ``PREFETCH_K``.
+test_chunked.py and test_attention.py with ``PREFETCH_K``; ``TRANSPOSED`` on an H100 through
+test_precision.py's tests that take it, and on both of its rule's tiles against float64 (the
+forward from S_0, a reverse walk, packed sequences, S_T and every gradient).
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
