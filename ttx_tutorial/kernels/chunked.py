@@ -666,6 +666,18 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
 
 
 @triton.jit
+def _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d, stride_qt, stride_qd, T, CHUNK: tl.constexpr):
+    """(chunk, its token offsets, their mask, Q_c [C, D]) of step i of a walk (from the last chunk
+    when ``reverse``): zero rows past T contribute nothing to the scores or the state."""
+    chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
+    offs_t = chunk * CHUNK + offs_c
+    mask_t = offs_t < T
+    b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                  mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+    return chunk, offs_t, mask_t, b_q
+
+
+@triton.jit
 def _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK: tl.constexpr):
     """K_c^T [D, C] of chunk ``chunk``: zeros for tokens outside [0, T), so a chunk before the
     first or past the last loads nothing."""
@@ -800,11 +812,8 @@ def chunked_kernel(
                                 mask=mask_ed, other=0.0).to(tl.float32)
         b_carry_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
-            chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
-            offs_t = chunk * CHUNK + offs_c
-            mask_t = offs_t < T
-            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
+            chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
+                                                     stride_qt, stride_qd, T, CHUNK)  # b_q [C, D]
             b_kt = _key_tile(k_ptr, chunk, offs_d, offs_c, mask_d, stride_kt, stride_kd, T, CHUNK)  # [D, C]
             b_vt = tl.load(v_ptr + offs_e[:, None] * stride_ve + offs_t[None, :] * stride_vt,
                            mask=mask_e[:, None] & mask_t[None, :], other=0.0)          # [E, C]
@@ -826,12 +835,8 @@ def chunked_kernel(
                  mask=mask_ed)
     else:
         for i in range(num_chunks):
-            chunk = tl.where(reverse != 0, num_chunks - 1 - i, i)
-            offs_t = chunk * CHUNK + offs_c
-            mask_t = offs_t < T
-            # Zero rows past T contribute nothing to the scores or the state.
-            b_q = tl.load(q_ptr + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                          mask=mask_t[:, None] & mask_d[None, :], other=0.0)          # [C, D]
+            chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
+                                                     stride_qt, stride_qd, T, CHUNK)  # b_q [C, D]
             # k is loaded transposed, ready for both Q K^T and K^T V; with PREFETCH_K a chunk ahead.
             if PREFETCH_K:
                 b_kt = b_kt_next                                                       # [D, C]
