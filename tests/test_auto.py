@@ -130,6 +130,40 @@ def test_auto_is_within_5_percent_of_the_fastest_kernel_at_every_recorded_point(
     assert len({point for point in checked if point[1] == "bf16"}) >= 6, checked
 
 
+@pytest.mark.parametrize("gradients", [False, True])
+def test_auto_counts_the_transposed_loops_narrowed_blocks_but_not_for_the_normalised_forward(gradients):
+    """Under TF32 at (2, 16, 16384, 128) chunked's transposed loop on narrowed 32-column blocks
+    beats scan (``_HIGH_TRANSPOSED_H100``), so the plain product counts its programs after
+    narrowing and takes chunked. The normalised attention's forward keeps the untransposed loop,
+    whose 32-column tiles were slower than scan there (1.831 against 1.103 ms on an H100), so its
+    programs count before narrowing and it takes scan."""
+    shape = (2, 16, 16384, 128, 128)
+    assert api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32", gradients, "tf32") == "chunked"
+    assert api._rule(*shape, torch.float32, _H200_MULTIPROCESSORS, "tf32", gradients, "tf32",
+                     normalized=True) == "scan"
+
+
+def test_the_normalised_attention_asks_auto_for_its_own_forward(monkeypatch):
+    """``causal_linear_attention(method="auto")`` tells ``choose_method`` that the normalised forward
+    runs (``normalized=True``); packed sequences, which chunked normalises through a ones column of
+    the plain product, do not."""
+    from ttx_tutorial import attention
+    asked = []
+
+    def spy(q, v, cu_seqlens=None, *, gradients=None, normalized=False):
+        asked.append(normalized)
+        return "chunked"
+
+    monkeypatch.setattr(attention, "choose_method", spy)
+    q, k, v = random_inputs(1, 2, 20, 8, seed=1)
+    ttx_tutorial.causal_linear_attention(q, k, v, method="auto")
+    assert asked == [True]
+    asked.clear()
+    packed = random_inputs(1, 2, 20, 8, seed=2)
+    ttx_tutorial.causal_linear_attention(*packed, method="auto", cu_seqlens=torch.tensor([0, 7, 20]))
+    assert asked and not any(asked)
+
+
 def test_auto_takes_recurrent_for_wide_float32_heads_only_under_3xtf32():
     """float32 past D = 64: 3xTF32 makes chunked and scan slower than recurrent, the split into
     bfloat16 parts ("highest") does not; up to it scan's float32 tiles lead forward+backward from

@@ -90,21 +90,23 @@ _TF32X3_SCAN_FROM_LENGTH = 4096
 
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
 def _chunked_value_block(D: int, E: int, dtype: torch.dtype, float32_precision: str | None,
-                         heads: int | None = None, multiprocessors: int | None = None) -> int:
+                         heads: int | None = None, multiprocessors: int | None = None,
+                         normalized: bool = False) -> int:
     """The value columns of one "chunked" program, by the kernel file's own rule before it narrows
     blocks to fill an idle GPU (which is what this count decides about), except where chunked
-    walks its transposed TF32 loop (``chunked._transposed``): there the narrowed blocks, with the
-    longer chunks they take, ran faster than scan (2.6x forward at (2, 16, 16384, 128) on an
-    H100), so they are counted after narrowing for ``heads`` (B * H) on ``multiprocessors``."""
+    walks its transposed TF32 loop (``chunked._transposed``; not the forward of the normalised
+    attention, ``normalized``): there the narrowed blocks, with the longer chunks they take, ran
+    faster than scan (1.7x forward at (2, 16, 16384, 128) on an H100), so they are counted after
+    narrowing for ``heads`` (B * H) on ``multiprocessors``."""
     precision = float32_precision or "tf32x3"
-    if chunked._transposed(dtype, precision, chunked._block(D), normalize=False):
+    if chunked._transposed(dtype, precision, chunked._block(D), normalize=normalized):
         return chunked.default_config(D, E, dtype, heads=heads, multiprocessors=multiprocessors,
                                       precision=precision, transposed=True)["BLOCK_E"]
     return chunked.default_config(D, E, dtype, precision=precision)["BLOCK_E"]
 
 
 def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                  gradients: bool | None = None) -> str:
+                  gradients: bool | None = None, normalized: bool = False) -> str:
     """The method ``method="auto"`` runs for these inputs: "chunked" unless the GPU would idle
     (then "scan"), with float32's products at full precision as the kernel files take them.
 
@@ -113,9 +115,10 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     B * H = 8 at T = 65536) most multiprocessors would wait, and "scan" spreads every sequence
     over segments (programs counted with chunked's value blocks before it narrows them for few
     heads; under TF32, float32 with ``torch.get_float32_matmul_precision()`` "high" or "medium",
-    from D = 65 to 128, where chunked walks its transposed loop, counted after that narrowing). float32 under "highest" runs
-    chunked's products as a split into bfloat16 parts (three bfloat16 products) and scan's as
-    3xTF32 (three TF32 products, at half the rate; the kernel files' ``FLOAT32_PRECISIONS``): then
+    from D = 65 to 128, where chunked walks its transposed loop, counted after that narrowing).
+    float32 under "highest" runs chunked's products as a split into bfloat16 parts (three
+    bfloat16 products) and scan's as 3xTF32 (three TF32 products, at half the rate; the kernel
+    files' ``FLOAT32_PRECISIONS``): then
     chunked is the faster of the two wherever the programs fill the GPU, forward+backward too, and
     past D = 64 also where they do not (scan's 3xTF32 tiles spill there). Where both take the same
     products, up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan
@@ -127,7 +130,9 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     and q or v requiring a gradient). Under the interpreter the choice is always "chunked".
     Packed sequences (``cu_seqlens``) count as N sequences of their mean length, without reading
     the offsets: both kernels give each sequence its own programs (chunked) or segments (scan),
-    and scan also builds its segment table, a few more small launches.
+    and scan also builds its segment table, a few more small launches. ``normalized``: the call
+    is the normalised attention in chunked's own kernels, whose forward never walks the
+    transposed loop, so its programs count before narrowing.
     """
     if _device.INTERPRETED or q.device.type != "cuda":
         return "chunked"
@@ -138,7 +143,7 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     precision = scan_precision = None
     if q.dtype == torch.float32:
         precision, scan_precision = chunked.float32_precision(), scan.float32_precision()
-    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients, scan_precision)
+    return _rule(B, H, T, D, E, q.dtype, multiprocessors, precision, gradients, scan_precision, normalized)
 
 
 def _counted_shape(q, v, cu_seqlens=None) -> tuple[int, int, int, int, int]:
@@ -159,12 +164,13 @@ def _gradients_follow(*tensors) -> bool:
 @functools.lru_cache(maxsize=256)  # a pure rule, asked at every "auto" call on a GPU
 def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiprocessors: int,
           float32_precision: str | None = "tf32x3", gradients: bool = False,
-          scan_float32_precision: str | None = None) -> str:
+          scan_float32_precision: str | None = None, normalized: bool = False) -> str:
     """``choose_method``'s choice for a GPU with ``multiprocessors`` multiprocessors, without one;
     ``float32_precision`` is the products' for float32 inputs (``chunked.float32_precision()``),
     ``scan_float32_precision`` scan's (``scan.float32_precision()``; None: the same),
-    ``gradients`` whether a backward follows. tests/test_auto.py checks it against the recorded
-    benchmark and the float32 sweeps."""
+    ``gradients`` whether a backward follows, ``normalized`` whether chunked would run the
+    normalised attention's forward. tests/test_auto.py checks it against the recorded benchmark
+    and the float32 sweeps."""
     if dtype == torch.float32 and float32_precision in _FULL_PRECISION_PRODUCTS:
         scan_precision = float32_precision if scan_float32_precision is None else scan_float32_precision
         if float32_precision == "tf32x3" and D > _TF32X3_WIDEST_TENSOR_CORE_HEAD:
@@ -176,7 +182,8 @@ def _rule(B: int, H: int, T: int, D: int, E: int, dtype: torch.dtype, multiproce
                 return "chunked"
         elif gradients and T >= _TF32X3_SCAN_FROM_LENGTH and D <= _TF32X3_WIDEST_TENSOR_CORE_HEAD:
             return "scan"
-    programs = B * H * -(-E // _chunked_value_block(D, E, dtype, float32_precision, B * H, multiprocessors))
+    value_block = _chunked_value_block(D, E, dtype, float32_precision, B * H, multiprocessors, normalized)
+    programs = B * H * -(-E // value_block)
     if programs < _SCAN_BELOW_PROGRAMS_PER_SM * multiprocessors and T >= _SCAN_FROM_LENGTH:
         return "scan"
     return "chunked"

@@ -138,7 +138,7 @@ def _normalizing_kernel(method, q, k, v, initial_state, cu_seqlens=None):
                      index_limit=KERNEL_INDEX_LIMIT)
         return _chunked
     _chunked.check_inputs(q, k, v, initial_state, method, normalized=True)
-    return _NORMALIZING_KERNEL_FILES[method if method == "chunked" else choose_method(q, v)]
+    return _NORMALIZING_KERNEL_FILES[method if method == "chunked" else choose_method(q, v, normalized=True)]
 
 
 def _mapped(feature, x, name):

@@ -1136,15 +1136,18 @@ def _block(n):
 def _shared_memory_estimate(block_d, config, dtype, transposed=False):
     """Bytes of shared memory: ``num_stages`` chunks of q, k and v in flight, plus the state as a
     product operand (counted at 4 bytes, as float16 inputs need), which the transposed loop
-    keeps in registers."""
+    keeps in registers. Other operands that go through shared memory (TF32's second copy of k,
+    the scores) are not counted: on the rule's tiles the compiled kernels need less than this
+    estimate (188,416 against 221,184 bytes at BLOCK_D 128, BLOCK_E 32, CHUNK 64, 3 stages)."""
     chunk_bytes = config["CHUNK"] * (2 * block_d + config["BLOCK_E"]) * dtype.itemsize
     return config["num_stages"] * chunk_bytes + (0 if transposed else block_d * config["BLOCK_E"] * 4)
 
 
 #: Key blocks (BLOCK_D) on which float32 under one TF32 product walks the transposed loop
-#: (``TRANSPOSED`` in ``chunked_kernel``). At 64 it ran slower than the untransposed loop (which
-#: loads k a chunk ahead there); at 256 the value blocks are 32 wide and its products would
-#: have 32 rows, where a ``wgmma`` needs 64.
+#: (``TRANSPOSED`` in ``chunked_kernel``): 128, where the rule's tiles for it ran faster (an H100,
+#: benchmarks/NOTES.md, 2026-12-07). At 64 it ran slower than the untransposed loop (which loads k
+#: a chunk ahead there); at 256, not timed, the state of a 32-column block alone would take 64
+#: registers a thread on 4 warps, before the tiles of q, k and the scores.
 TRANSPOSED_KEY_BLOCKS = frozenset({128})
 
 
