@@ -21,7 +21,7 @@
 #   bench      python -m ttx_tutorial.bench (every method and peer side by side)
 #   check      benchmarks/gpu_check.py (config tuning, precision)
 #   packed     benchmarks/varlen_check.py (packed batches against unpacked and fla)
-#   host       benchmarks/host_overhead.py (where a call's host time goes)
+#   host       benchmarks/host_overhead.py (where a call's host time goes; bfloat16, then float32 under "high")
 #   layer      benchmarks/layer_check.py (normalised attention, the layer, the step, compiled)
 #   float32    benchmarks/float32_sweep.py --no-peers (every float32 setting and candidate)
 #
@@ -94,6 +94,9 @@ for step in "${steps[@]}"; do
       status=$((status | ${PIPESTATUS[0]})) ;;
     host)
       python3 benchmarks/host_overhead.py --json "$RESULTS/host.json" 2>&1 | tee "$RESULTS/host.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      python3 benchmarks/host_overhead.py --dtype float32 --json "$RESULTS/host_float32.json" 2>&1 \
+        | tee "$RESULTS/host_float32.log"
       status=$((status | ${PIPESTATUS[0]})) ;;
     layer)
       python3 benchmarks/layer_check.py "$RESULTS/layer.json" --rounds 1 2>&1 | tee "$RESULTS/layer.log"

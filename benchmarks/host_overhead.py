@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py                  # CPU or GPU; under 2 minutes
     python benchmarks/host_overhead.py --json OUT.json  # the same, also written as JSON
+    python benchmarks/host_overhead.py --dtype float32  # float32 under torch.set_float32_matmul_precision("high")
 
 Part 1, stubbed launches (any machine): every ``kernel[grid](...)`` of the kernel files is
 replaced by a no-op for the length of this part, so that what remains is the package's own
@@ -24,9 +25,14 @@ other jobs):
   step_update  kernels/step.py's entry, and step _launch alone; floor: torch.empty of o
 
 ``--profile STAGE`` prints cProfile's top functions of one stage (e.g. ``chunked:api``).
+Part 1 also counts the launches of one call of each method, forward and forward+backward: each
+costs the host a Triton launch, and the backward of float32 heads or of heads wider than 64 is
+three launches where 16-bit heads up to 64 wide take one.
+``--dtype float32`` runs parts 1 and 2 on float32 inputs under ``--float32-precision`` (PyTorch's
+setting, "high" by default: the products it gives the tensor cores change the launches' plans).
 
 Part 2, real launches, GPU only: host time per call of forward and forward+backward of
-chunked, scan and recurrent at (8, 16, 4096, 64) bfloat16 and again at T = 64 (the same
+chunked, scan and recurrent at (8, 16, 4096, 64) in ``--dtype`` and again at T = 64 (the same
 launches with microseconds of GPU work, so that a loop the GPU holds back cannot pass for host
 time), and of the step: calls enqueued
 in a loop that never waits for the GPU (synchronised once at the end, outside the timing),
@@ -55,6 +61,7 @@ from ttx_tutorial.kernels import chunked, recurrent, scan, step  # noqa: E402
 from ttx_tutorial.testing import random_inputs  # noqa: E402
 
 ON_GPU = ttx_tutorial.on_gpu()
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 FAMILIES = {"chunked": chunked, "scan": scan, "recurrent": recurrent}
 #: Every kernel the wrappers launch, by file: the names part 1 stubs.
 KERNELS = {chunked: ("chunked_kernel", "chunked_backward_kernel"),
@@ -64,8 +71,8 @@ KERNELS = {chunked: ("chunked_kernel", "chunked_backward_kernel"),
 
 
 class _NoLaunch:
-    """Stands in for a kernel: ``kernel[grid](...)`` does nothing (and has no pre-run hooks, as
-    the step's launcher asks)."""
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing but count itself in
+    ``LAUNCHES`` (and has no pre-run hooks, as the step's launcher asks)."""
 
     pre_run_hooks = ()
 
@@ -73,8 +80,12 @@ class _NoLaunch:
         return _no_op
 
 
+#: Launches of the stubbed kernels so far (``_no_op`` adds one each).
+LAUNCHES = [0]
+
+
 def _no_op(*args, **kwargs):
-    return None
+    LAUNCHES[0] += 1
 
 
 @contextlib.contextmanager
@@ -136,10 +147,18 @@ def forward_launch(family, q, k, v):
     return scan._launch(q, k, v, None, None)
 
 
-def stub_stages(calls, clock):
-    """{stage: microseconds per call} with the launches stubbed (see the module docstring)."""
+def launches_per_call(fn):
+    """How many kernel launches one call of ``fn`` makes (launches stubbed)."""
+    before = LAUNCHES[0]
+    fn()
+    return LAUNCHES[0] - before
+
+
+def stub_stages(calls, clock, dtype=torch.bfloat16):
+    """({stage: microseconds per call}, the stages, {method: (launches forward, forward+backward)})
+    with the launches stubbed (see the module docstring)."""
     B, H, T, D = 2, 2, 64, 16
-    q, k, v = random_inputs(B, H, T, D, dtype=torch.bfloat16, seed=0)
+    q, k, v = random_inputs(B, H, T, D, dtype=dtype, seed=0)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     grad_o = torch.randn_like(v)
     stages = {}
@@ -179,7 +198,9 @@ def stub_stages(calls, clock):
                 for name, fn in stages.items():
                     if name not in step_stages:
                         results[name] = mean_us(fn, calls // 4 if "bwd" in name else calls, clock=clock)
-    return results, stages
+                launches = {name: (launches_per_call(stages[f"{name}:api"]),
+                                   launches_per_call(stages[f"{name}:api fwd+bwd"])) for name in FAMILIES}
+    return results, stages, launches
 
 
 def profile(stages, stage, calls):
@@ -195,9 +216,9 @@ def profile(stages, stage, calls):
     pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
-def real_host_times(T=4096):
+def real_host_times(T=4096, dtype=torch.bfloat16):
     """GPU only: {(name, mode): (host us per call, GPU ms of one call replayed)} at (8, 16, T, 64)."""
-    q, k, v = random_inputs(8, 16, T, 64, dtype=torch.bfloat16, seed=0)
+    q, k, v = random_inputs(8, 16, T, 64, dtype=dtype, seed=0)
     grad_o = torch.randn_like(v)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     rows = {}
@@ -229,15 +250,24 @@ def main():
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the stubbed stages by this thread's CPU time (for machines shared with other jobs)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="the inputs of the methods' stages and real launches (default bfloat16)")
+    parser.add_argument("--float32-precision", choices=("highest", "high", "medium"), default="high",
+                        help="torch.set_float32_matmul_precision for --dtype float32 (default high)")
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.float32:
+        torch.set_float32_matmul_precision(args.float32_precision)
+    label = args.dtype if dtype != torch.float32 else f"float32 under {args.float32_precision!r}"
 
-    stub, stages = stub_stages(args.calls, CLOCK["cpu" if args.cpu_time else "wall"])
+    stub, stages, launches = stub_stages(args.calls, CLOCK["cpu" if args.cpu_time else "wall"], dtype)
     print(f"{ttx_tutorial.describe()}\n\nHost microseconds per call, Triton launches stubbed "
-          f"((2, 2, 64, 16) bf16; step (8, 16, 64, 64); {'CPU' if args.cpu_time else 'wall'} time):")
+          f"((2, 2, 64, 16) {label}; step (8, 16, 64, 64) bf16; {'CPU' if args.cpu_time else 'wall'} time):")
     for name in FAMILIES:
         api, validated, launch = (stub[f"{name}:{s}"] for s in ("api", "validated", "launch"))
         print(f"  {name:10s} api {api:6.1f} = checks+dispatch {api - validated:5.1f} + wrapper "
-              f"{validated - launch:5.1f} + launch {launch:5.1f};   fwd+bwd {stub[f'{name}:api fwd+bwd']:6.1f}")
+              f"{validated - launch:5.1f} + launch {launch:5.1f};   fwd+bwd {stub[f'{name}:api fwd+bwd']:6.1f}"
+              f";   launches {launches[name][0]} / {launches[name][1]}")
     print(f"  auto       api {stub['auto:api']:6.1f};   the API's checks alone {stub['checks']:5.1f}")
     print(f"  floor      {stub['floor']:6.1f} (autograd.Function allocating the outputs);   "
           f"fwd+bwd {stub['floor fwd+bwd']:6.1f}")
@@ -253,19 +283,20 @@ def main():
         # and the launch queue fills), and then measures the GPU; at T = 64 the same launches do
         # microseconds of GPU work, so the loop measures the host alone.
         for T in (4096, 64):
-            print(f"\nReal launches at (8, 16, {T}, 64) bf16 (step: (8, 16, 64, 64)): host us per call in a loop, "
-                  "GPU ms of a graph replay")
-            for (name, mode), (host, gpu) in real_host_times(T).items():
+            print(f"\nReal launches at (8, 16, {T}, 64) {label} (step: (8, 16, 64, 64) bf16): host us per call "
+                  "in a loop, GPU ms of a graph replay")
+            for (name, mode), (host, gpu) in real_host_times(T, dtype).items():
                 real[(name, mode, T)] = (host, gpu)
                 print(f"  {name:10s} {mode:8s} host {host:7.1f} us   GPU {gpu:.4f} ms")
     if args.json:
         env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name() if ON_GPU else "CPU interpreter",
                "torch": torch.__version__, "triton": __import__("triton").__version__,
-               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "inputs": label}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "env": env, "stubbed_us": {k: round(v, 2) for k, v in stub.items()},
+            "launches": {name: {"fwd": fwd, "fwd+bwd": both} for name, (fwd, both) in launches.items()},
             "real": [{"name": n, "mode": m, "T": T, "host_us": round(h, 2), "gpu_ms": round(g, 5)}
                      for (n, m, T), (h, g) in real.items()]}, indent=1))
 

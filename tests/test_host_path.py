@@ -4,10 +4,14 @@ A forward call whose inputs need no gradient skips ``torch.autograd.Function`` (
 was a large part of a small call's time on the H200), and the launch-configuration rules are
 cached per shape. Checked here: the shortcut gives bit-identical o and S_T, a ``config`` override
 never leaks into the cached rule or launch plan that later calls share, and the operator's
-backward (what ``torch.compile`` runs) gives the eager gradients without a second forward pass.
+backward (what ``torch.compile`` runs) gives the eager gradients without a second forward pass;
+and benchmarks/host_overhead.py counts the launches of one call.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +119,22 @@ def test_compiled_backward_runs_no_second_forward(method, dtype, device, monkeyp
     assert forwards == []
     for name, a, b in zip(("dq", "dk", "dv", "ds0"), found, expected):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, (1, 2)), (torch.float32, (1, 4))],
+                         ids=["bfloat16", "float32"])
+def test_host_overhead_counts_the_launches_of_one_call(dtype, expected):
+    """benchmarks/host_overhead.py counts the kernel launches of one call, each a Triton launch
+    the host pays for: chunked's forward is one; its backward of 16-bit heads up to 64 wide is one
+    fused launch, float32's three passes (under "high" here)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
+    spec = importlib.util.spec_from_file_location("host_overhead", path)
+    host_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_overhead)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        _, _, launches = host_overhead.stub_stages(8, host_overhead.CLOCK["wall"], dtype)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert launches["chunked"] == expected
