@@ -4,7 +4,9 @@ results stay within float32's tolerance under every setting.
 
 The interpreter multiplies float32 exactly whatever ``input_precision`` says, so on the CPU
 these tests check the rule (the constexpr and the configuration each launch receives) and the
-new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy.
+new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy, and those under
+``emulated_tensor_cores`` check TF32's in either mode (the interpreter then multiplies as tensor
+cores do).
 """
 
 import contextlib
