@@ -15,8 +15,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import ttx_tutorial
 from ttx_tutorial.course.figures import load_recorded, rows_of_one_recording
@@ -415,16 +413,10 @@ def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, m
         assert 3 * errors["tf32x3"][name] < error <= TOLERANCES[torch.float32], (name, errors)
 
 
-@triton.jit
-def _one_product_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    offs = tl.arange(0, N)
-    tile = offs[:, None] * N + offs[None, :]
-    tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile), input_precision=INPUT_PRECISION))
-
-
 @pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
-def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
-    """Notebook 04's float32 product, 64 x 64 x 64 standard normals: under the interpreter with
+def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device, benchmark_script):
+    """Notebook 04's float32 product, 64 x 64 x 64 standard normals, through the kernel that
+    recorded the H200's figures (benchmarks/gpu_check.py): under the interpreter with
     ``emulated_tensor_cores`` tl.dot gives ``tensor_core_dot``'s result to the bit, with the error
     an H200 recorded for the same product on its own draw (TF32 7.6e-4 against 7.5e-4 to 8.0e-4
     over 20 draws here, where operands rounded instead of cut would give 3e-4; 3xTF32 1.9e-7
@@ -435,8 +427,9 @@ def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
     emulated = tensor_core_dot(a, b, torch.zeros(64, 64), precision)
     expected = a.double() @ b.double()
     c = torch.full((64, 64), math.nan, device=device)
+    dot_kernel = benchmark_script("gpu_check")._dot_kernel
     with emulated_tensor_cores():
-        _one_product_kernel[(1,)](a.to(device), b.to(device), c, N=64, INPUT_PRECISION=precision)
+        dot_kernel[(1,)](a.to(device), b.to(device), c, 64, 64, 64, precision)
     if not ttx_tutorial.INTERPRETED:
         # within float32's rounding of the sums; TF32 operands rounded instead of cut differ by 8e-4
         assert relative_error(c, emulated) <= 1e-6, relative_error(c, emulated)
@@ -447,7 +440,7 @@ def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
     error = relative_error(c, expected)
     assert (0.9 * recorded <= error <= 1.1 * recorded) if precision == "tf32" else \
         (recorded / 1.5 <= error <= 1.5 * recorded), (error, recorded)
-    _one_product_kernel[(1,)](a, b, c, N=64, INPUT_PRECISION=precision)
+    dot_kernel[(1,)](a, b, c, 64, 64, 64, precision)
     assert relative_error(c, expected) < 2e-7
 
 
