@@ -754,15 +754,23 @@ def chunked_kernel(
     mask_e = offs_e < E
     mask_de = mask_d[:, None] & mask_e[None, :]
 
-    b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    # The state as the chunk loop carries it: S (D x E), or S^T (E x D) in the transposed loop.
+    if TRANSPOSED:
+        b_state = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+    else:
+        b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     # NORMALIZE: z, the sum of the keys so far (column E of the states), carried as K^T U beside the
     # state: the first column of b_key_sum (see _unit_columns).
     offs_u = tl.arange(0, UNIT_BLOCK)
     b_key_sum = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
     if has_initial_state:
         initial_state_ptr += b * stride_s0b + h * stride_s0h
-        b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
-                          mask=mask_de, other=0.0).to(tl.float32)
+        if TRANSPOSED:
+            b_state = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
+                              mask=mask_e[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        else:
+            b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
+                              mask=mask_de, other=0.0).to(tl.float32)
         if NORMALIZE:
             b_key_sum = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + E * stride_s0e + offs_u[None, :] * 0,
                                 mask=mask_d[:, None] & (offs_u[None, :] == 0), other=0.0)
@@ -773,7 +781,7 @@ def chunked_kernel(
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
 
     num_chunks = (T + CHUNK - 1) // CHUNK
-    b_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    b_carry = tl.full(b_state.shape, 0.0, dtype=tl.float32)
     b_key_sum_carry = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
     b_units = _unit_columns(CHUNK, tl.float32 if INTERPRETED else INPUT_DTYPE)
     # NORMALIZE: d_t + eps and z belong to no value block; the first block's program stores them.
@@ -805,12 +813,6 @@ def chunked_kernel(
         # q serves Q K^T and S^T Q^T as it lies (D contiguous), the scores as computed are P^T
         # with the summed tokens contiguous, and k takes a second layout for V^T K.
         tl.static_assert(not NORMALIZE, "the transposed loop carries no normaliser")
-        mask_ed = mask_e[:, None] & mask_d[None, :]
-        b_state_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
-        if has_initial_state:
-            b_state_t = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
-                                mask=mask_ed, other=0.0).to(tl.float32)
-        b_carry_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
             chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
                                                      stride_qt, stride_qd, T, CHUNK)  # b_q [C, D]
@@ -822,17 +824,17 @@ def chunked_kernel(
             b_vt = tl.where(mask_e[:, None], b_vt, 0.0)
             b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
             b_scores = tl.where(visible, b_scores, 0.0)
-            b_ot = _dot(tl.where(mask_e[:, None], b_state_t, 0.0), tl.trans(b_q), None,
+            b_ot = _dot(tl.where(mask_e[:, None], b_state, 0.0), tl.trans(b_q), None,
                         FLOAT32_PRECISION, INTERPRETED)                                 # [E, C]
             b_ot = _dot(b_vt, tl.trans(b_scores), b_ot, FLOAT32_PRECISION, INTERPRETED)
-            b_state_t, b_carry_t = _add_product(b_state_t, b_carry_t, b_vt, tl.trans(b_kt), COMPENSATED,
-                                                FLOAT32_PRECISION, INTERPRETED)
+            b_state, b_carry = _add_product(b_state, b_carry, b_vt, tl.trans(b_kt), COMPENSATED,
+                                            FLOAT32_PRECISION, INTERPRETED)
             b_seen += tl.sum(b_ot * 0.0, 0)
             tl.store(o_ptr + offs_e[:, None] * stride_oe + offs_t[None, :] * stride_ot,
                      _rounded(b_ot, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_e[:, None] & mask_t[None, :])
         final_state_ptr += b * stride_sfb + h * stride_sfh
-        tl.store(final_state_ptr + offs_e[:, None] * stride_sfe + offs_d[None, :] * stride_sfd, b_state_t,
-                 mask=mask_ed)
+        tl.store(final_state_ptr + offs_e[:, None] * stride_sfe + offs_d[None, :] * stride_sfd, b_state,
+                 mask=mask_e[:, None] & mask_d[None, :])
     else:
         for i in range(num_chunks):
             chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
