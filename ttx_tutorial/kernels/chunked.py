@@ -13,10 +13,11 @@ loads of the next chunks with this one's products. ``reverse`` = 1 walks the chu
 first with the upper triangle, so the state holds sum_{s >= t} k_s v_s^T.
 Backward, with dO the gradient of o and G that of S_T: dQ = forward product (dO, V, K) from
 S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO) from G, whose
-final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
-one launch (two programs a head: a forward walk for dQ, a reverse walk for dK and dV; with
-``SPLIT_WALKS``, for heads too few to fill the GPU, the reverse walk is two programs, one for dV
-and one for dK, each carrying the same R); otherwise ``chunked_kernel`` runs three times.
+final state is dS_0. For heads up to 64 wide (16-bit inputs, and float32 ones under one TF32
+product) ``chunked_backward_kernel`` does all three in one launch (two programs a head: a
+forward walk for dQ, a reverse walk for dK and dV; with ``SPLIT_WALKS``, for heads too few to
+fill the GPU, the reverse walk is two programs, one for dV and one for dK, each carrying the
+same R); otherwise ``chunked_kernel`` runs three times.
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
@@ -542,7 +543,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
     ``*_arg`` pointers as passed, for the token-by-token walk after the loop."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    FLOAT32_PRECISION: tl.constexpr = "tf32"  # as in chunked_backward_kernel
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     # k feeds dV's products, and dK only through the feature map's derivative; v feeds only dK.
     LOADS_K: tl.constexpr = WANT_DV or FEATURE_MAP != "identity"
@@ -960,10 +961,12 @@ def chunked_backward_kernel(
     # R it would take registers the reverse walk has not got. (The forward walk could make r, as
     # -(q_t . P_t g_t) / (d_t + eps), but only by running before the reverse walk instead of beside
     # it, and a walk alone on its multiprocessor waits on its loads.)
-    # Precision as in chunked_kernel.
+    # Precision as in chunked_kernel's TF32 launches: float32 operands (float16's state and
+    # scores, and float32 inputs) in one TF32 product. The wrappers launch this kernel for float32
+    # inputs only where PyTorch's float32 matmul precision allows TF32 (``fused_backward_config``).
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    FLOAT32_PRECISION: tl.constexpr = "tf32"
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
 
     pid_bh = tl.program_id(0)
@@ -1375,9 +1378,10 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
-#: in registers at once, which fits 16-bit heads up to 64 wide without spills.
+#: in registers at once, which fits heads up to 64 wide without spills (float16 and float32
+#: inputs at 32-token chunks).
 FUSED_BACKWARD_MAX_BLOCK = 64
-_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
+_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fused_backward_shared_memory(fused, dtype, normalize=False):
@@ -1389,11 +1393,13 @@ def _fused_backward_shared_memory(fused, dtype, normalize=False):
 
 
 def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False,
-                          heads=None, multiprocessors=None):
+                          heads=None, multiprocessors=None, precision=None):
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
-    ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
-    CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
-    need the registers). A walk's parallelism is its load pipeline and the other walk's program:
+    ``chunked_kernel`` three times instead: heads wider than FUSED_BACKWARD_MAX_BLOCK, or float32
+    inputs whose ``precision`` (``float32_precision()``) is not one TF32 product, the kernel's
+    (the passes keep the split or 3xTF32 of "highest").
+    CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32 (whose float32
+    intermediates need the registers). A walk's parallelism is its load pipeline and the other walk's program:
     4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks wait longer on
     their products: two programs then share a multiprocessor; timed faster on an H200), fewer
     stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the ``heads``
@@ -1405,6 +1411,8 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
+    if dtype == torch.float32 and precision != "tf32":
+        return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
              "num_stages": 3 if normalize else 4,
@@ -1415,15 +1423,16 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normalize=False):
+def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normalize=False, precision=None):
     """Launch keywords of ``chunked_backward_kernel`` for one shape (``fused_backward_config``
     with the constexprs), or None where the backward runs ``chunked_kernel`` three times instead.
-    Cached like ``_launch_plan``; the returned dict is shared and must not be modified."""
+    ``precision``: float32's products at this call (``float32_precision``). Cached like
+    ``_launch_plan``; the returned dict is shared and must not be modified."""
     multiprocessors, shared_memory = limits
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory, normalize=normalize,
-                                  heads=heads, multiprocessors=multiprocessors)
+                                  heads=heads, multiprocessors=multiprocessors, precision=precision)
     if fused is None:
         return None
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
@@ -1564,7 +1573,8 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         fused = _backward_plan(sequences * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
                                _device_limits(q.device), triton.knobs.runtime.interpret,
-                               () if ctx.config is None else tuple(sorted(ctx.config.items())))
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())),
+                               precision=float32_precision(ctx.normalized) if q.dtype == torch.float32 else None)
         if fused is not None and (needs_k or needs_v or needs_initial_state):
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q,
@@ -1593,9 +1603,9 @@ def _launch_normalized(q, k, v, initial_state, eps, config):
 
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
                                    needs_input_grad, feature_map="identity"):
-    """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
-    plain backward's passes on g = dO / (d + eps), then the denominator's terms (its gradient
-    r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
+    """The normalised backward where the fused kernel does not apply (float32 under "highest",
+    heads over 64): the plain backward's passes on g = dO / (d + eps), then the denominator's
+    terms (its gradient r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
     rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
     (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
     that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
@@ -1656,7 +1666,8 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
             grad_o = torch.zeros_like(o)
         fused = _backward_plan(q.shape[0] * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
                                _device_limits(q.device), triton.knobs.runtime.interpret,
-                               () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True)
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True,
+                               precision=float32_precision(True) if q.dtype == torch.float32 else None)
         feature_map = ctx.feature_map
         if fused is not None:
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
