@@ -425,11 +425,12 @@ def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory)
 @pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_normalized_backward_dz_per_chunk_matches_float64(dtype, with_final_grad, scan_chunks, device, monkeypatch):
-    """The fused normalised backward's reverse walk reads dz after each of its chunks (64 tokens
-    for bfloat16, 32 for float16 and float32 under "high"), made by ``chunk_suffix_sums_kernel`` from the r kernel's sums
-    over the same chunks: dk, which takes dz, and dS_0's z column, which is dz_0, against float64
-    across a partial last chunk, with G's z column or without. The chunks are scanned in one
-    step, or in steps of two with a partial last step, so the carry between steps is exercised."""
+    """The fused normalised backward's reverse walk reads dz after each of its chunks (64 tokens for
+    bfloat16, 32 for float16 and float32 under "high"), made by ``chunk_suffix_sums_kernel`` from
+    the r kernel's sums over the same chunks: dk, which takes dz, and dS_0's z column, which is
+    dz_0, against float64 across a partial last chunk, with G's z column or without. The chunks are
+    scanned in one step, or in steps of two with a partial last step, so the carry between steps is
+    exercised."""
     monkeypatch.setattr(chunked, "SUFFIX_SCAN_CHUNKS", scan_chunks)
     T, D, E = 4 * 64 + 5, 16, 24
     q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=21, initial_state=True)

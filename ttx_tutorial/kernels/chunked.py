@@ -67,7 +67,9 @@ fused and normalised backward of this file (tests/test_chunked.py, test_attentio
 test_feature_maps.py) also on an H100, and so the float32 tests of test_precision.py,
 test_chunked.py and test_attention.py with ``PREFETCH_K``; ``TRANSPOSED`` on an H100 through
 test_precision.py's tests that take it, and on both of its rule's tiles against float64 (the
-forward from S_0, a reverse walk, packed sequences, S_T and every gradient).
+forward from S_0, a reverse walk, packed sequences, S_T and every gradient). The fused backward
+on float32 inputs under TF32: compiled for sm_80 and sm_90, and on an H100 its gradients within
+2.1e-4 of the three passes'; not yet through the GPU test suite.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
@@ -1399,14 +1401,14 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     inputs whose ``precision`` (``float32_precision()``) is not one TF32 product, the kernel's
     (the passes keep the split or 3xTF32 of "highest").
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32 (whose float32
-    intermediates need the registers). A walk's parallelism is its load pipeline and the other walk's program:
-    4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks wait longer on
-    their products: two programs then share a multiprocessor; timed faster on an H200), fewer
-    stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the ``heads``
-    (B * H, or sequences * H when packed) are so few that every program of the split launch,
-    three a head, has a multiprocessor of its own (3 * heads <= multiprocessors): the longest
-    program, the reverse walk, then makes one of its two gradients, four of its seven products
-    a chunk (R's update in both). On an H200 faster with 8 heads, slower with 128; see
+    intermediates need the registers). A walk's parallelism is its load pipeline and the other
+    walk's program: 4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks
+    wait longer on their products: two programs then share a multiprocessor; timed faster on an
+    H200), fewer stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the
+    ``heads`` (B * H, or sequences * H when packed) are so few that every program of the split
+    launch, three a head, has a multiprocessor of its own (3 * heads <= multiprocessors): the
+    longest program, the reverse walk, then makes one of its two gradients, four of its seven
+    products a chunk (R's update in both). On an H200 faster with 8 heads, slower with 128; see
     benchmarks/fused_backward_variants.py."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
@@ -1604,14 +1606,14 @@ def _launch_normalized(q, k, v, initial_state, eps, config):
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
                                    needs_input_grad, feature_map="identity"):
     """The normalised backward where the fused kernel does not apply (float32 under "highest",
-    heads over 64): the plain backward's passes on g = dO / (d + eps), then the denominator's
-    terms (its gradient r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
-    rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
-    (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
-    that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
-    ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding; dz_0 comes from
-    dK's terms, which run whenever dS_0 is needed. With a ``feature_map``, q and k are its
-    features and the terms' walks take dq and dk through its derivative."""
+    heads over 64): the plain backward's passes on g = dO / (d + eps), then the denominator's terms
+    (its gradient r_t = -(g_t . out_t)). g and r come from one launch
+    (``normalizer_gradient_kernel``), g rounded as the fused backward rounds it: bfloat16 for
+    bfloat16 inputs, float32 otherwise (float16's g falls below its normal range once d_t is a few
+    thousand), and r from that g, so that g_t . v_s + r_t cancels where it should. The dq and dk
+    passes write float32, which ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before
+    rounding; dz_0 comes from dK's terms, which run whenever dS_0 is needed. With a ``feature_map``,
+    q and k are its features and the terms' walks take dq and dk through its derivative."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
     grad_denominator, g, _ = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)

@@ -81,7 +81,8 @@ included). Packed segments that straddle boundaries: the scan and packed-sequenc
 on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
 its lengths within those the tests run; bfloat16's four stages at D = 33-128 and their segments
 of at most one program a multiprocessor, float16's three stages: timed and the scan test files
-run on an H100 (Triton 3.6). With "elu" the kernels took
+run on an H100 (Triton 3.6). The fused backward on float32 inputs under TF32: compiled for
+sm_80 and sm_90 and timed on an H100; not yet through the GPU test suite. With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
