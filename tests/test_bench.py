@@ -311,16 +311,11 @@ def test_on_a_gpu_each_row_has_its_graph_replay_host_time_and_bandwidth():
                 assert row["rel_err"] <= TOLERANCES[torch.bfloat16], row
 
 
-def test_the_fast_transformers_builder_names_a_wrong_source(tmp_path):
+def test_the_fast_transformers_builder_names_a_wrong_source(tmp_path, benchmark_script):
     """benchmarks/build_fast_transformers.py refuses a folder that is not a fast-transformers
     checkout, naming the argument, before it writes anything. (The build itself needs the
     upstream source, which the repository does not hold: it runs on the GPU machine.)"""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_fast_transformers.py"
-    spec = importlib.util.spec_from_file_location("build_fast_transformers", path)
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = benchmark_script("build_fast_transformers")
     with pytest.raises(FileNotFoundError, match="--source .* holds no fast_transformers/causal_product"):
         builder.main(["--source", str(tmp_path / "nothing"), "--target", str(tmp_path / "site")])
     assert not (tmp_path / "site").exists()

@@ -10,9 +10,6 @@ and benchmarks/host_overhead.py counts the launches of one call.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -124,14 +121,11 @@ def test_compiled_backward_runs_no_second_forward(method, dtype, device, monkeyp
 @pytest.mark.parametrize("dtype, setting, expected", [(torch.bfloat16, "high", (1, 2)), (torch.float32, "high", (1, 2)),
                                                      (torch.float32, "highest", (1, 4))],
                          ids=["bfloat16", "float32-high", "float32-highest"])
-def test_host_overhead_counts_the_launches_of_one_call(dtype, setting, expected):
+def test_host_overhead_counts_the_launches_of_one_call(dtype, setting, expected, benchmark_script):
     """benchmarks/host_overhead.py counts the kernel launches of one call, each a Triton launch
     the host pays for: chunked's forward is one; its backward of heads up to 64 wide is one fused
     launch, but for float32 under "highest", whose split products take three passes."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("host_overhead", path)
-    host_overhead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host_overhead)
+    host_overhead = benchmark_script("host_overhead")
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision(setting)

@@ -8,10 +8,8 @@ new tiles' arithmetic; the tests marked ``gpu`` check the tensor cores' accuracy
 """
 
 import contextlib
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from ttx_tutorial.references import cumsum, quadratic
 from ttx_tutorial.testing import (TOLERANCES, assert_close, poisoned_allocations, random_inputs, reference,
                                   reference_gradients, relative_error)
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 SETTINGS = ("highest", "high", "medium")
 EXPECTED_PRECISION = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf32"}
 #: scan's: 3xTF32 for "highest" (its split is an opt-in, see the kernel file).
@@ -549,14 +546,12 @@ def test_highest_gradients_keep_float32_accuracy(method, matmul_precision):
 
 
 
-def test_float32_sweep_runs_on_a_tiny_shape(tmp_path):
+def test_float32_sweep_runs_on_a_tiny_shape(tmp_path, benchmark_script):
     """benchmarks/float32_sweep.py on one tiny shape under "highest": every rule's row timed, and
     every candidate's unless the wrapper refuses its config by name (on a GPU, 8 warps of a 16 x 16
     tile), each timed row with its error (forward, or the gradients) within float32's tolerance;
     the JSON written."""
-    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = benchmark_script("float32_sweep")
     out = tmp_path / "sweep.json"
     assert sweep.main(["--shapes", "1,1,17,16", "--settings", "highest", "--out", str(out)]) == 0
     ours = [row for row in json.loads(out.read_text())["rows"] if row["setting"] == "highest"]
@@ -571,12 +566,10 @@ def test_float32_sweep_runs_on_a_tiny_shape(tmp_path):
         assert row["ms"] is not None and row["rel_err"] <= TOLERANCES[torch.float32], row
 
 
-def test_float32_sweep_times_the_candidates_it_is_given(tmp_path):
+def test_float32_sweep_times_the_candidates_it_is_given(tmp_path, benchmark_script):
     """``--candidates`` replaces the built-in chunked configs: exactly the given one is timed,
     within float32's tolerance; a list with a missing key is refused by name."""
-    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = benchmark_script("float32_sweep")
     given = {"BLOCK_E": 16, "CHUNK": 16, "num_warps": 2, "num_stages": 1}
     out = tmp_path / "sweep.json"
     assert sweep.main(["--shapes", "1,1,17,16", "--settings", "highest", "--candidates", json.dumps([given]),
@@ -591,13 +584,11 @@ def test_float32_sweep_times_the_candidates_it_is_given(tmp_path):
         sweep.main(["--shapes", "1,1,17,16", "--candidates", '[{"BLOCK_E": 16}]'])
 
 
-def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path):
+def test_float32_sweep_times_the_bfloat16_split_by_hand(tmp_path, benchmark_script):
     """``--products bf16x3_manual`` times the kernel files' own bfloat16 split under "highest",
     under the interpreter too: chunked's and scan's rows say so and stay within float32's
     tolerance; Triton's own splits, lowered on a GPU only, are refused by name there."""
-    spec = importlib.util.spec_from_file_location("float32_sweep", REPOSITORY / "benchmarks" / "float32_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = benchmark_script("float32_sweep")
     out = tmp_path / "sweep.json"
     # 32-wide heads: the smallest output (the state, 32 x 32) is large enough for the split, and
     # the candidate's tile (32 x 32, 64 tokens) is one it takes.

@@ -118,12 +118,12 @@ def choose_method(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | N
     from D = 65 to 128, where chunked walks its transposed loop, counted after that narrowing).
     float32 under "highest" runs chunked's products as a split into bfloat16 parts (three
     bfloat16 products) and scan's as 3xTF32 (three TF32 products, at half the rate; the kernel
-    files' ``FLOAT32_PRECISIONS``): then
-    chunked is the faster of the two wherever the programs fill the GPU, forward+backward too, and
-    past D = 64 also where they do not (scan's 3xTF32 tiles spill there). Where both take the same
-    products, up to D = 64 and from T = 4096 on, a call that autograd will differentiate runs scan
-    (its forward+backward 1.11x faster than chunked's at (8, 16, 4096, 64) on an H200 under the
-    split, 1.07x under 3xTF32), a forward alone chunked. Where chunked takes 3xTF32 too, past
+    files' ``FLOAT32_PRECISIONS``): then chunked is the faster of the two wherever the programs
+    fill the GPU, forward+backward too, and past D = 64 also where they do not (scan's 3xTF32
+    tiles spill there). Where both take the same products, up to D = 64 and from T = 4096 on, a
+    call that autograd will differentiate runs scan (its forward+backward 1.11x faster than
+    chunked's at (8, 16, 4096, 64) on an H200 under the split, 1.07x under 3xTF32), a forward
+    alone chunked. Where chunked takes 3xTF32 too, past
     D = 64 chunked's and scan's tiles spill and "recurrent", whose per-token products need no
     tensor cores, is faster (1.6x forward and 1.7x forward+backward at (8, 16, 4096, 128)).
     ``gradients``: whether a backward will follow; None reads it from autograd (grad mode on
