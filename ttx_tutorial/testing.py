@@ -148,6 +148,93 @@ def poisoned_allocations():
         torch.empty, torch.empty_like = original_empty, original_empty_like
 
 
+# A model of NVIDIA tensor cores' float32 arithmetic, as measured by Fasi et al., "Numerical
+# behavior of NVIDIA tensor cores" (2021): TF32 operands keep the sign, the exponent and the top
+# 10 of the 23 mantissa bits, the other 13 dropped, not rounded; products are exact; the
+# accumulator is truncated to float32 after every k-step of 8. Operands dropped to TF32, a
+# 64 x 64 x 64 product of standard normals (seed 0) errs by 7.7e-4 (rounded to nearest, 3.0e-4);
+# on an H200 it erred by 7.6e-4.
+
+def tf32_cut(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` as a tensor core reads a TF32 operand: the low 13 mantissa bits dropped."""
+    return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to the nearest TF32 value, ties away from zero, as Triton's 3xTF32
+    takes each operand's big part (``cvt.rna.tf32.f32``)."""
+    return ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _bf16_rounded(x):
+    return x.to(torch.bfloat16).float()
+
+
+def _truncated_to_float32(x):
+    y = x.float()
+    return torch.where(y.double().abs() > x.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def _mma(a, b, accumulator):
+    for k0 in range(0, a.shape[-1], 8):
+        accumulator = _truncated_to_float32(accumulator.double()
+                                            + a[..., k0:k0 + 8].double() @ b[..., k0:k0 + 8, :].double())
+    return accumulator
+
+
+def tensor_core_dot(a: torch.Tensor, b: torch.Tensor, accumulator: torch.Tensor, precision: str) -> torch.Tensor:
+    """``accumulator + a @ b`` of float32 tensors as a tensor core computes ``tl.dot`` with
+    ``input_precision=precision``: "tf32" (one product of operands cut to TF32), "tf32x3" (each
+    operand split into a rounded TF32 part and the remainder cut to TF32; the remainders'
+    products first, in the order of Triton's decomposition) or "bf16x3" (the same with bfloat16
+    parts)."""
+    if precision == "tf32":
+        return _mma(tf32_cut(a), tf32_cut(b), accumulator)
+    if precision == "bf16x3":
+        a_big, b_big = _bf16_rounded(a), _bf16_rounded(b)
+        accumulator = _mma(_bf16_rounded(a - a_big), b_big, accumulator)
+        accumulator = _mma(a_big, _bf16_rounded(b - b_big), accumulator)
+        return _mma(a_big, b_big, accumulator)
+    if precision != "tf32x3":
+        raise ValueError(f"precision must be 'tf32', 'tf32x3' or 'bf16x3', got {precision!r}")
+    a_big, b_big = tf32_rounded(a), tf32_rounded(b)
+    accumulator = _mma(tf32_cut(a - a_big), b_big, accumulator)
+    accumulator = _mma(a_big, tf32_cut(b - b_big), accumulator)
+    return _mma(a_big, b_big, accumulator)
+
+
+@contextlib.contextmanager
+def emulated_tensor_cores():
+    """Within the block, Triton's interpreter computes ``tl.dot`` of float32 operands with
+    ``input_precision`` "tf32" or "tf32x3" as ``tensor_core_dot`` does, so that CPU mode shows the
+    error of the precision a kernel asks for (by default the interpreter multiplies in plain
+    float32 and reads the option nowhere). "ieee" and operands of other dtypes stay as the
+    interpreter computes them. Compiled kernels are unaffected: on a GPU the tensor cores compute
+    them, so a test under this block checks TF32's error in either mode.
+    """
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    interpreter_dot = builder.create_dot
+    precisions = {ir.INPUT_PRECISION.TF32: "tf32", ir.INPUT_PRECISION.TF32x3: "tf32x3"}
+
+    def create_dot(self, a, b, accumulator, input_precision, max_num_imprecise_acc):
+        float32 = a.data.dtype == b.data.dtype == accumulator.data.dtype == np.float32
+        if not float32 or input_precision not in precisions:
+            return interpreter_dot(self, a, b, accumulator, input_precision, max_num_imprecise_acc)
+        result = tensor_core_dot(*(torch.from_numpy(np.ascontiguousarray(x.data)) for x in (a, b, accumulator)),
+                                 precisions[input_precision])
+        return interpreter.TensorHandle(result.numpy(), accumulator.dtype.scalar)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = interpreter_dot
+
+
 def run_python(script: str | Path, *args: str, timeout: float = 900, **environment: str,
                ) -> subprocess.CompletedProcess:
     """Run ``script`` (Python source, or the path of a file) with ``args`` in a fresh Python and
