@@ -15,8 +15,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import ttx_tutorial
 from ttx_tutorial.course.figures import load_recorded, rows_of_one_recording
@@ -437,16 +435,10 @@ def test_bfloat16_split_by_hand_is_within_float32_tolerance_and_splits(family, m
         assert 3 * errors["tf32x3"][name] < error <= TOLERANCES[torch.float32], (name, errors)
 
 
-@triton.jit
-def _one_product_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    offs = tl.arange(0, N)
-    tile = offs[:, None] * N + offs[None, :]
-    tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile), input_precision=INPUT_PRECISION))
-
-
 @pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
-def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
-    """Notebook 04's float32 product, 64 x 64 x 64 standard normals: under the interpreter with
+def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device, benchmark_script):
+    """Notebook 04's float32 product, 64 x 64 x 64 standard normals, through the kernel that
+    recorded the H200's figures (benchmarks/gpu_check.py): under the interpreter with
     ``emulated_tensor_cores`` tl.dot gives ``tensor_core_dot``'s result to the bit, with the error
     an H200 recorded for the same product on its own draw (TF32 7.6e-4 against 7.5e-4 to 8.0e-4
     over 20 draws here, where operands rounded instead of cut would give 3e-4; 3xTF32 1.9e-7
@@ -457,8 +449,9 @@ def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
     emulated = tensor_core_dot(a, b, torch.zeros(64, 64), precision)
     expected = a.double() @ b.double()
     c = torch.full((64, 64), math.nan, device=device)
+    dot_kernel = benchmark_script("gpu_check")._dot_kernel
     with emulated_tensor_cores():
-        _one_product_kernel[(1,)](a.to(device), b.to(device), c, N=64, INPUT_PRECISION=precision)
+        dot_kernel[(1,)](a.to(device), b.to(device), c, 64, 64, 64, precision)
     if not ttx_tutorial.INTERPRETED:
         # within float32's rounding of the sums; TF32 operands rounded instead of cut differ by 8e-4
         assert relative_error(c, emulated) <= 1e-6, relative_error(c, emulated)
@@ -469,7 +462,7 @@ def test_emulated_tensor_cores_compute_tl_dot_as_a_gpu(precision, device):
     error = relative_error(c, expected)
     assert (0.9 * recorded <= error <= 1.1 * recorded) if precision == "tf32" else \
         (recorded / 1.5 <= error <= 1.5 * recorded), (error, recorded)
-    _one_product_kernel[(1,)](a, b, c, N=64, INPUT_PRECISION=precision)
+    dot_kernel[(1,)](a, b, c, 64, 64, 64, precision)
     assert relative_error(c, expected) < 2e-7
 
 
@@ -538,17 +531,17 @@ SPLIT_TILE_SHAPES = [(16, 16), (16, 64), (32, 32), (40, 72), (64, 16), (64, 32),
                      (128, 64), (100, 100), (200, 64)]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("value_block", [None, 64], ids=["rule", "BLOCK_E64"])
 @pytest.mark.parametrize("method", ["chunked", "scan"])
 @pytest.mark.parametrize("shape", SPLIT_TILE_SHAPES, ids=lambda s: f"D{s[0]}-E{s[1]}")
-def test_highest_is_within_float32_tolerance_on_every_tile(shape, method, value_block, matmul_precision):
+def test_highest_is_within_float32_tolerance_on_every_tile(shape, method, value_block, matmul_precision, device):
     """Under "highest" every chunked launch takes the split into bfloat16 parts unless
     ``split_is_right`` or ``split_is_accurate`` says no, and the compiler gets some tiles wrong
     (errors near 1 or inf on 64 x 32 tiles of 64-token chunks with Triton 3.6); scan takes
     3xTF32: forward, final state and every gradient within float32's tolerance on tiles of both
     rules, with 2 heads (chunked's value blocks narrowed to fill the GPU) and with chunked's
-    64-column blocks (as with many heads)."""
+    64-column blocks (as with many heads). In CPU mode, with the tensor cores emulated, the same
+    checks the arithmetic (the split's truncating sums included), not the compiler."""
     if method == "scan" and value_block is not None:
         pytest.skip("scan's rule does not narrow its blocks")
     matmul_precision("highest")
@@ -557,9 +550,9 @@ def test_highest_is_within_float32_tolerance_on_every_tile(shape, method, value_
     config = {"BLOCK_E": value_block} if value_block else {}
     if method == "scan":
         config["SEGMENT_LEN"] = 128 if max(D, E) <= 64 else 64
-    q, k, v, s0 = random_inputs(1, 2, 300, D, E, device="cuda", seed=D + E, initial_state=True, requires_grad=True)
+    q, k, v, s0 = random_inputs(1, 2, 300, D, E, device=device, seed=D + E, initial_state=True, requires_grad=True)
     grad_o, grad_state = torch.randn_like(v), torch.randn_like(s0)
-    with poisoned_allocations():
+    with poisoned_allocations(), emulated_tensor_cores():
         o, state = getattr(module, f"{method}_causal_product")(q, k, v, s0, config=config)
         torch.autograd.backward((o, state), (grad_o, grad_state))
     ref_o, ref_state, ref_grads = reference_gradients(q, k, v, s0, grad_o, grad_state)

@@ -49,6 +49,7 @@ bfloat16 shares float32's range and needs no such care.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -185,8 +186,15 @@ _STEP_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_ON_CUDA = DEVICE.type == "cuda"
 
 
-def causal_linear_attention(q, k, v, *, feature_map="elu", normalize=True, eps=1e-6, method=AUTO,
-                            initial_state=None, return_state=False, cu_seqlens=None):
+#: A feature map by name ("elu", "relu", "identity") or a function applied to q and k.
+FeatureMap = str | Callable[[torch.Tensor], torch.Tensor]
+
+
+def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_map: FeatureMap = "elu",
+                            normalize: bool = True, eps: float = 1e-6, method: str = AUTO,
+                            initial_state: torch.Tensor | None = None, return_state: bool = False,
+                            cu_seqlens: torch.Tensor | None = None,
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal linear attention: out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps).
 
     Args:
@@ -324,7 +332,9 @@ def _takes_step_kernel(q, v) -> bool:
             and max(q.shape[-1], v.shape[-1]) <= _step.MAX_HEAD_DIM)
 
 
-def linear_attention_step(q, k, v, state, *, feature_map="elu", normalize=True, eps=1e-6):
+def linear_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, *,
+                          feature_map: FeatureMap = "elu", normalize: bool = True, eps: float = 1e-6,
+                          ) -> torch.Tensor:
     """One token of causal linear attention, O(1) in the sequence length; updates ``state`` in place.
 
     q, k: (B, H, D); v: (B, H, E); state: (B, H, D, E + 1) float32 when normalising ((S, z), as
@@ -384,8 +394,9 @@ class CausalLinearAttention(nn.Module):
     a prompt.
     """
 
-    def __init__(self, dim, heads, *, head_dim=None, feature_map="elu", eps=1e-6, method=AUTO,
-                 bias=True, device=None, dtype=None):
+    def __init__(self, dim: int, heads: int, *, head_dim: int | None = None, feature_map: FeatureMap = "elu",
+                 eps: float = 1e-6, method: str = AUTO, bias: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         for name, value in (("dim", dim), ("heads", heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -417,7 +428,8 @@ class CausalLinearAttention(nn.Module):
         """(B, T, heads * head_dim) -> (B, heads, T, head_dim), a view."""
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x, state=None, *, return_state=False, cu_seqlens=None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, *, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, dim) -> (B, T, dim); ``state`` continues from earlier tokens (see class).
         ``cu_seqlens``: N sequences packed along T of a batch of one, x (1, total_T, dim), as
         :func:`causal_linear_attention` takes them; the states are then (N, heads, d, d + 1)."""
@@ -432,7 +444,7 @@ class CausalLinearAttention(nn.Module):
         y = self.out_proj(o.transpose(1, 2).flatten(2))
         return (y, state) if return_state else y
 
-    def initial_state(self, batch, device=None):
+    def initial_state(self, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The state before any token: zeros (batch, heads, head_dim, head_dim + 1) float32."""
         if isinstance(batch, bool) or not isinstance(batch, int):
             raise TypeError(f"batch must be an int, the number of sequences, got {type(batch).__name__}")
@@ -442,7 +454,7 @@ class CausalLinearAttention(nn.Module):
         return torch.zeros(batch, self.heads, self.head_dim, self.head_dim + 1, dtype=torch.float32,
                            device=device)
 
-    def step(self, x, state):
+    def step(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """One token x (B, dim) -> its output (B, dim); ``state`` is updated in place. Inference
         only: under autograd the weights require grad and :func:`linear_attention_step` refuses."""
         if x.dim() != 2:
