@@ -387,6 +387,29 @@ def test_emulated_3xtf32_needs_the_state_added_in_rounded_float32():
     assert 1e-4 < errors["tf32", False] <= TF32_TOLERANCE, errors
 
 
+#: 3xTF32's own error on the kernels' outputs (about 1e-6 for o, 3e-7 for S_T at 64 chunks of
+#: 64 tokens), well inside float32's 1e-5: a quarter of that tolerance.
+TF32X3_KERNEL_TOLERANCE = 2.5e-6
+
+
+@pytest.mark.parametrize("family", [chunked, scan], ids=["chunked", "scan"])
+def test_3xtf32_kernels_add_each_chunks_state_product_in_rounded_float32(family, matmul_precision, monkeypatch,
+                                                                          device):
+    """The kernels themselves, on tensor cores (in CPU mode emulated), under 3xTF32 over 4096
+    tokens of one head, D = E = 64: o and S_T within ``TF32X3_KERNEL_TOLERANCE``. With the
+    states accumulated inside the tensor core instead (``_add_product`` without its rounded
+    addition), the emulation gives chunked 2.7e-5 / 3.8e-5 and scan 4.3e-6 / 5.8e-6."""
+    matmul_precision("highest")
+    monkeypatch.setitem(family.FLOAT32_PRECISIONS, "highest", "tf32x3")
+    q, k, v = random_inputs(1, 1, 4096, 64, 64, device=device, seed=21)
+    expected_o, expected_state = reference(q, k, v, device=device)
+    with poisoned_allocations(), emulated_tensor_cores():
+        o, state = ttx_tutorial.causal_product(q, k, v, family.__name__.rsplit(".", 1)[-1], return_state=True)
+    for name, value, expected in (("o", o, expected_o), ("S_T", state, expected_state)):
+        error = relative_error(value, expected)
+        assert error <= TF32X3_KERNEL_TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
 def test_emulated_bfloat16_split_is_within_float32_tolerance_but_coarser_than_3xtf32():
     """Triton's other split, ``input_precision="bf16x3"`` (two bfloat16 parts of 8 significand
     bits each, three products at twice TF32's rate): its 16 bits leave an error several times

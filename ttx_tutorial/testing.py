@@ -212,11 +212,15 @@ def emulated_tensor_cores():
     them, so a test under this block checks TF32's error in either mode.
     """
     import numpy as np
+    import triton
     from triton._C.libtriton import ir
     from triton.runtime import interpreter
 
-    builder = interpreter.InterpreterBuilder
-    interpreter_dot = builder.create_dot
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    interpreter_dot = getattr(builder, "create_dot", None)
+    if interpreter_dot is None:
+        raise RuntimeError(f"emulated_tensor_cores needs Triton's InterpreterBuilder.create_dot, which Triton "
+                           f"{triton.__version__} does not have (tested with Triton 3.6 and 3.9)")
     precisions = {ir.INPUT_PRECISION.TF32: "tf32", ir.INPUT_PRECISION.TF32x3: "tf32x3"}
 
     def create_dot(self, a, b, accumulator, input_precision, max_num_imprecise_acc):

@@ -48,10 +48,11 @@ enough for that error to hold (``split_is_accurate``); elsewhere it takes 3xTF32
 (``input_precision="tf32x3"``, about 3e-7). So does the normalised attention, whose dq cancels
 to about 7e-5 under the split: the kernels' own normalised launches, and a product whose caller
 divides by the product of a column of ones appended to v (``_run_validated(normalized=True)``,
-forward and backward). "high" and "medium" take one TF32 product (about 1e-3); keys up to 64
-wide then load k a chunk ahead into registers (``PREFETCH_K``, see the chunk loop), and keys
-128 wide walk the chunks transposed, O_c^T and S^T, with the state in registers (``TRANSPOSED``,
-``TRANSPOSED_KEY_BLOCKS``; not the normalised forward, whose walk carries z).
+forward and backward). "high" and "medium" take one TF32 product (about 1.5e-3; 5e-3 to 1e-2
+for the normalised dq, which cancels); keys up to 64 wide then load k a chunk ahead into
+registers (``PREFETCH_K``, see the chunk loop), and keys 128 wide walk the chunks transposed,
+O_c^T and S^T, with the state in registers (``TRANSPOSED``, ``TRANSPOSED_KEY_BLOCKS``; not the
+normalised forward, whose walk carries z).
 bfloat16 rounds the float32 state and scores to bfloat16 (same range); float16 keeps them in
 float32 (TF32 products, exact for float16 inputs): long sequences of positive features pass
 65504. Tensor cores accumulate with truncation: under a split (3xTF32, bfloat16
@@ -1177,7 +1178,7 @@ FLOAT32_PRECISIONS = {"highest": "bf16x3_manual", "high": "tf32", "medium": "tf3
 
 def float32_precision(normalized=False):
     """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
-    the split into bfloat16 parts (about 6e-6) for "highest", the default, "tf32" (about 1e-3) for
+    the split into bfloat16 parts (about 6e-6) for "highest", the default, "tf32" (about 1.5e-3) for
     "high" and "medium"; the split becomes "tf32x3" (about 3e-7) for the normalised attention
     (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]

@@ -60,7 +60,8 @@ that sequence's S_0 elsewhere.
 Precision: products accumulate in float32; float32 inputs follow
 ``torch.get_float32_matmul_precision()`` at each call (``FLOAT32_PRECISIONS``): 3xTF32
 (``input_precision="tf32x3"``, about 3e-7 against float64) for "highest", the default; TF32 for
-"high" and "medium". ``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` splits each operand
+"high" and "medium" (about 1.5e-3; 5e-3 to 1e-2 for the normalised dq, which cancels).
+``FLOAT32_PRECISIONS["highest"] = "bf16x3_manual"`` splits each operand
 into two bfloat16 parts in the kernel instead (``BF16X3_MANUAL``, three bfloat16 products, about
 6e-6), as chunked's "highest" does, on the tiles where that ran right on a GPU (``split_is_right``)
 and for calls whose outputs are large enough for that error to hold (``split_is_accurate``), with
@@ -1413,7 +1414,7 @@ FLOAT32_PRECISIONS = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
 
 def float32_precision(normalized=False):
     """The products of float32 operands under PyTorch's current setting: ``FLOAT32_PRECISIONS``'s,
-    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1e-3) for "high" and
+    "tf32x3" (about 3e-7) for "highest", the default, "tf32" (about 1.5e-3) for "high" and
     "medium"; a split into bfloat16 parts set there becomes "tf32x3" for the normalised attention
     (``normalized``), whose dq cancels."""
     precision = FLOAT32_PRECISIONS[torch.get_float32_matmul_precision()]
