@@ -236,7 +236,16 @@ def test_fused_backward_rule():
     for heads, split in ((1, True), (8, True), (44, True), (45, False), (128, False)):
         fused = chunked.fused_backward_config(64, 64, torch.bfloat16, heads=heads, multiprocessors=132)
         assert fused["SPLIT_WALKS"] is split, heads
+    # float32's plain product takes the fused backward only where its walks split; the normalised
+    # backward takes it at any number of heads
+    for heads, fused in ((8, True), (44, True), (45, False), (128, False)):
+        plain = chunked.fused_backward_config(64, 64, torch.float32, heads=heads, multiprocessors=132, precision="tf32")
+        assert (plain is not None) is fused, heads
+        assert chunked.fused_backward_config(64, 64, torch.float32, heads=heads, multiprocessors=132,
+                                             precision="tf32", normalize=True) is not None, heads
     limits = (132, chunked._NOMINAL_LIMITS[1])
+    assert chunked._backward_plan(128, 4096, 64, 64, torch.float32, limits, False, (), precision="tf32") is None
+    assert chunked._backward_plan(128, 4096, 64, 64, torch.float32, limits, True, (), precision="tf32") is not None
     assert chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, False, ())["SPLIT_WALKS"]
     assert not chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, True, ())["SPLIT_WALKS"]
 

@@ -1400,7 +1400,11 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
     ``chunked_kernel`` three times instead: heads wider than FUSED_BACKWARD_MAX_BLOCK, or float32
     inputs whose ``precision`` (``float32_precision()``) is not one TF32 product, the kernel's
-    (the passes keep the split or 3xTF32 of "highest").
+    (the passes keep the split or 3xTF32 of "highest"), and float32's plain product where its
+    walks do not split (below): there the passes' float32 tiles ran 2.5 % faster on an H100 at
+    (8, 16, 4096, 64), and no stages, warps or chunk of the fused plan caught up with them; split,
+    and in the normalised backward, the fused launch is the faster (benchmarks/NOTES.md,
+    2026-12-07).
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32 (whose float32
     intermediates need the registers). A walk's parallelism is its load pipeline and the other
     walk's program: 4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks
@@ -1416,10 +1420,14 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
         return None
     if dtype == torch.float32 and precision != "tf32":
         return None
+    split_walks = heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors
+    if dtype == torch.float32 and not normalize and heads is not None and multiprocessors is not None \
+            and not split_walks:
+        return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
              "num_stages": 3 if normalize else 4,
-             "SPLIT_WALKS": heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors}
+             "SPLIT_WALKS": split_walks}
     while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
