@@ -26,8 +26,8 @@ other jobs):
 
 ``--profile STAGE`` prints cProfile's top functions of one stage (e.g. ``chunked:api``).
 Part 1 also counts the launches of one call of each method, forward and forward+backward: each
-costs the host a Triton launch, and the backward of float32 heads or of heads wider than 64 is
-three launches where 16-bit heads up to 64 wide take one.
+costs the host a Triton launch, and chunked's backward of heads wider than 64, or of float32
+under "highest", is three launches where other heads up to 64 wide take one.
 ``--dtype float32`` runs parts 1 and 2 on float32 inputs under ``--float32-precision`` (PyTorch's
 setting, "high" by default: the products it gives the tensor cores change the launches' plans).
 

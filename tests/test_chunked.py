@@ -222,7 +222,12 @@ def test_fused_backward_rule():
     assert chunked.fused_backward_config(64, 64, torch.float16)["CHUNK"] == 32  # 64 would spill
     assert chunked.fused_backward_config(64, 64, torch.float16, SMALL_CHUNKS)["CHUNK"] == C
     assert chunked.fused_backward_config(65, 64, torch.bfloat16) is None  # BLOCK_D = 128
+    # float32 only as one TF32 product ("high", "medium"): "highest"'s split takes the passes
     assert chunked.fused_backward_config(64, 64, torch.float32) is None
+    for precision in ("bf16x3_manual", "tf32x3"):
+        assert chunked.fused_backward_config(64, 64, torch.float32, precision=precision) is None
+    assert chunked.fused_backward_config(64, 64, torch.float32, precision="tf32")["CHUNK"] == 32
+    assert chunked.fused_backward_config(128, 64, torch.float32, precision="tf32") is None
     # 4 stages of loads, 3 for the normalised backward (two programs then share a multiprocessor)
     assert chunked.fused_backward_config(64, 64, torch.bfloat16)["num_stages"] == 4
     assert chunked.fused_backward_config(64, 64, torch.bfloat16, normalize=True)["num_stages"] == 3
@@ -231,7 +236,16 @@ def test_fused_backward_rule():
     for heads, split in ((1, True), (8, True), (44, True), (45, False), (128, False)):
         fused = chunked.fused_backward_config(64, 64, torch.bfloat16, heads=heads, multiprocessors=132)
         assert fused["SPLIT_WALKS"] is split, heads
+    # float32's plain product takes the fused backward only where its walks split; the normalised
+    # backward takes it at any number of heads
+    for heads, fused in ((8, True), (44, True), (45, False), (128, False)):
+        plain = chunked.fused_backward_config(64, 64, torch.float32, heads=heads, multiprocessors=132, precision="tf32")
+        assert (plain is not None) is fused, heads
+        assert chunked.fused_backward_config(64, 64, torch.float32, heads=heads, multiprocessors=132,
+                                             precision="tf32", normalize=True) is not None, heads
     limits = (132, chunked._NOMINAL_LIMITS[1])
+    assert chunked._backward_plan(128, 4096, 64, 64, torch.float32, limits, False, (), precision="tf32") is None
+    assert chunked._backward_plan(128, 4096, 64, 64, torch.float32, limits, True, (), precision="tf32") is not None
     assert chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, False, ())["SPLIT_WALKS"]
     assert not chunked._backward_plan(8, 4096, 64, 64, torch.bfloat16, limits, True, ())["SPLIT_WALKS"]
 
@@ -408,21 +422,24 @@ def test_default_config_bfloat16_takes_4_warps_up_to_64_state_registers_a_thread
 
 @pytest.mark.parametrize("shared_memory", [chunked._NOMINAL_LIMITS[1], 166912, 101376])
 def test_fused_backward_config_fits_the_shared_memory_it_is_given(shared_memory):
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for D, E in ((1, 1), (16, 64), (64, 64)):
-            fused = chunked.fused_backward_config(D, E, dtype, shared_memory=shared_memory)
-            assert chunked._fused_backward_shared_memory(fused, dtype) <= shared_memory
+            for normalize in (False, True):
+                fused = chunked.fused_backward_config(D, E, dtype, shared_memory=shared_memory, normalize=normalize,
+                                                      precision="tf32")
+                assert chunked._fused_backward_shared_memory(fused, dtype, normalize) <= shared_memory
 
 
 @pytest.mark.parametrize("scan_chunks", [64, 2], ids=["one scan step", "steps of two chunks"])
 @pytest.mark.parametrize("with_final_grad", [True, False], ids=["G", "no G"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_normalized_backward_dz_per_chunk_matches_float64(dtype, with_final_grad, scan_chunks, device, monkeypatch):
-    """The fused normalised backward's reverse walk reads dz after each of its chunks (64 tokens
-    for bfloat16, 32 for float16), made by ``chunk_suffix_sums_kernel`` from the r kernel's sums
-    over the same chunks: dk, which takes dz, and dS_0's z column, which is dz_0, against float64
-    across a partial last chunk, with G's z column or without. The chunks are scanned in one
-    step, or in steps of two with a partial last step, so the carry between steps is exercised."""
+    """The fused normalised backward's reverse walk reads dz after each of its chunks (64 tokens for
+    bfloat16, 32 for float16 and float32 under "high"), made by ``chunk_suffix_sums_kernel`` from
+    the r kernel's sums over the same chunks: dk, which takes dz, and dS_0's z column, which is
+    dz_0, against float64 across a partial last chunk, with G's z column or without. The chunks are
+    scanned in one step, or in steps of two with a partial last step, so the carry between steps is
+    exercised."""
     monkeypatch.setattr(chunked, "SUFFIX_SCAN_CHUNKS", scan_chunks)
     T, D, E = 4 * 64 + 5, 16, 24
     q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=dtype, device=device, seed=21, initial_state=True)
@@ -431,10 +448,17 @@ def test_normalized_backward_dz_per_chunk_matches_float64(dtype, with_final_grad
     grad_o = torch.randn(1, 2, T, E, generator=torch.Generator().manual_seed(22)).to(device, dtype)
     grad_final_state = torch.randn(s0.shape, generator=torch.Generator().manual_seed(23)).to(device)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
-    with poisoned_allocations():
-        o, state = chunked._run_normalized_validated(*leaves, 1e-6)
-        torch.autograd.backward((o, state) if with_final_grad else (o,),
-                                (grad_o, grad_final_state) if with_final_grad else (grad_o,))
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # float32's fused backward: one TF32 product
+    try:
+        with poisoned_allocations():
+            o, state = chunked._run_normalized_validated(*leaves, 1e-6)
+            torch.autograd.backward((o, state) if with_final_grad else (o,),
+                                    (grad_o, grad_final_state) if with_final_grad else (grad_o,))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    if dtype == torch.float32 and not ttx_tutorial.INTERPRETED:
+        dtype = torch.float16  # TF32 keeps float16's significand: its tolerance
     leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, s0)]
     o64, state64, _ = normalized64(*leaves64, 1e-6)
     torch.autograd.backward((o64, state64) if with_final_grad else (o64,),

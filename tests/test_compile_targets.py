@@ -145,6 +145,10 @@ def wrapper_calls(module):
         add(1, 4, 3000, 128, 128, torch.float32, cu_seqlens=(0, 1000, 1000, 2999, 3000), matmul_precision="high")
         add(1, 1, LONG_T, 128, 128, torch.float32, with_state=False, matmul_precision="high")
         add(2, 3, 777, 128, 128, torch.float32, normalized=True, matmul_precision="high")
+        # and the fused backward, which float32 heads up to 64 wide take under TF32
+        add(2, 3, 777, 64, 64, torch.float32, normalized=True, matmul_precision="high")
+        add(1, 4, 3000, 64, 64, torch.float32, cu_seqlens=(0, 1000, 1000, 2999, 3000), matmul_precision="high")
+        add(1, 1, LONG_T, 64, 64, torch.float32, with_state=False, matmul_precision="high")
     # The other products of "highest" at two tiles: 3xTF32 where the file's default is the split
     # into bfloat16 parts (BF16X3_MANUAL: chunked; 3xTF32 is then the products of small calls,
     # of the normalised attention, and what benchmarks/float32_sweep.py times with --products

@@ -118,16 +118,17 @@ def test_compiled_backward_runs_no_second_forward(method, dtype, device, monkeyp
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, (1, 2)), (torch.float32, (1, 4))],
-                         ids=["bfloat16", "float32"])
-def test_host_overhead_counts_the_launches_of_one_call(dtype, expected, benchmark_script):
+@pytest.mark.parametrize("dtype, setting, expected", [(torch.bfloat16, "high", (1, 2)), (torch.float32, "high", (1, 2)),
+                                                     (torch.float32, "highest", (1, 4))],
+                         ids=["bfloat16", "float32-high", "float32-highest"])
+def test_host_overhead_counts_the_launches_of_one_call(dtype, setting, expected, benchmark_script):
     """benchmarks/host_overhead.py counts the kernel launches of one call, each a Triton launch
-    the host pays for: chunked's forward is one; its backward of 16-bit heads up to 64 wide is one
-    fused launch, float32's three passes (under "high" here)."""
+    the host pays for: chunked's forward is one; its backward of heads up to 64 wide is one fused
+    launch, but for float32 under "highest", whose split products take three passes."""
     host_overhead = benchmark_script("host_overhead")
     before = torch.get_float32_matmul_precision()
     try:
-        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision(setting)
         _, _, launches = host_overhead.stub_stages(8, host_overhead.CLOCK["wall"], dtype)
     finally:
         torch.set_float32_matmul_precision(before)

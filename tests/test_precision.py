@@ -102,6 +102,28 @@ def test_launches_follow_the_setting_at_each_call(family, matmul_precision, devi
                     if "FLOAT32_PRECISION" in kwargs} == {expected}, (setting, inputs[0].dtype)
 
 
+@pytest.mark.parametrize("family", [chunked, scan], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("normalized", [False, True], ids=["plain", "normalized"])
+def test_float32_backward_is_fused_under_tf32_only(family, normalized, matmul_precision, device):
+    """float32 heads up to 64 wide: under "high" and "medium" (one TF32 product) the backward is
+    the one fused launch, under "highest" the passes, which keep the split or 3xTF32."""
+    q, k, v, s0 = random_inputs(1, 2, 40, 32, 24, device=device, seed=4, initial_state=True, requires_grad=True)
+    if normalized:
+        q, k = (x.detach().abs().requires_grad_() for x in (q, k))
+        s0 = torch.cat([s0.detach(), torch.rand(1, 2, 32, 1, device=device)], dim=-1).requires_grad_()
+    run = family._run_normalized_validated if normalized else family._run_validated
+    name = family.__name__.rsplit(".", 1)[-1]
+    for setting in (*SETTINGS, "high"):
+        matmul_precision(setting)
+        with recorded_launches(family) as launches:
+            o, state = run(q, k, v, s0, *((1e-6,) if normalized else ()))
+            torch.autograd.backward((o, state), (torch.ones_like(o), torch.ones_like(state)))
+        names = [launched for launched, _ in launches]
+        assert names.count(f"{name}_backward_kernel") == (setting != "highest"), (setting, names)
+        if family is chunked:  # the forward, and without the fused launch the three passes
+            assert names.count("chunked_kernel") == (4 if setting == "highest" else 1), (setting, names)
+
+
 def test_chunked_float32_configs_are_tensor_core_tiles():
     """Tensor-core precisions need tensor-core tiles: chunks and value blocks of at least 32 up to
     D = 128, as the 16-bit configs, within the nominal shared memory; one rule serves 3xTF32

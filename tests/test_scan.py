@@ -342,16 +342,20 @@ def test_16_bit_keys_from_33_to_128_wide_pipeline_deeper_where_they_fit():
     assert scan._resolved_config(2, 16, 16384, 128, 128, F16, 132, (("num_stages", 4),), "tf32")["SEGMENT_LEN"] == 4096
 
 
-def test_fused_backward_takes_16_bit_heads_up_to_64_in_their_own_chunks():
-    """The fused backward holds R, two score tiles and a chunk's dK and dV in registers: 16-bit
-    heads up to 64 wide (D and E) take it, wider ones and float32 the passes. Its chunks are the
-    forward's, at most 64 tokens for bfloat16 and 32 for float16, whose float32 intermediates
-    take twice the registers."""
+def test_fused_backward_takes_heads_up_to_64_in_their_own_chunks():
+    """The fused backward holds R, two score tiles and a chunk's dK and dV in registers: heads up
+    to 64 wide (D and E), 16-bit or float32 under one TF32 product, take it; wider ones and
+    float32 under "highest" the passes. Its chunks are the forward's, at most 64 tokens for
+    bfloat16 and 32 for float16 and float32, whose float32 intermediates take twice the
+    registers."""
     assert scan.fused_backward_config(64, 64, BF16)["CHUNK"] == 64
     assert scan.fused_backward_config(64, 64, F16)["CHUNK"] == 32
     assert scan.fused_backward_config(64, 5, F16, {"CHUNK": 16})["CHUNK"] == 16
-    for D, E, dtype in ((65, 16, BF16), (16, 65, F16), (16, 16, F32)):
-        assert scan.fused_backward_config(D, E, dtype) is None, (D, E, dtype)
+    assert scan.fused_backward_config(64, 64, F32, precision="tf32")["CHUNK"] == 32
+    for D, E, dtype in ((65, 16, BF16), (16, 65, F16), (16, 16, F32), (65, 16, F32)):
+        assert scan.fused_backward_config(D, E, dtype, precision="tf32" if D > 64 else None) is None, (D, E, dtype)
+    for precision in ("tf32x3", "bf16x3_manual"):
+        assert scan.fused_backward_config(64, 64, F32, precision=precision) is None
 
 
 def test_the_split_needs_outputs_of_split_min_elements_or_more():

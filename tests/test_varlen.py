@@ -65,9 +65,11 @@ def per_sequence_loop(q, k, v, s0, cu_seqlens, grad_o, grad_state):
     return o.detach(), states.detach(), gradients
 
 
-def check_against_loop(run, lengths, dtype, *, H=2, D=8, E=5, seed=0, offsets_dtype=torch.int32):
+def check_against_loop(run, lengths, dtype, *, H=2, D=8, E=5, seed=0, offsets_dtype=torch.int32, tolerance=None):
     """``run(q, k, v, s0, cu_seqlens) -> (o, states)`` against the per-sequence loop, forward and
-    backward, with every output of the run allocated NaN-filled."""
+    backward, with every output of the run allocated NaN-filled, within the tolerance of
+    ``tolerance`` (a dtype; None: ``dtype``'s)."""
+    tolerance = tolerance or dtype
     generator = torch.Generator().manual_seed(seed)
     q, k, v, s0, cu_seqlens = packed_inputs(lengths, H, D, E, dtype, generator=generator,
                                             offsets_dtype=offsets_dtype)
@@ -78,13 +80,13 @@ def check_against_loop(run, lengths, dtype, *, H=2, D=8, E=5, seed=0, offsets_dt
         grads = torch.autograd.grad((o, states), (q, k, v, s0), (grad_o, grad_state), allow_unused=True)
     expected_o, expected_states, expected_grads = per_sequence_loop(q, k, v, s0, cu_seqlens, grad_o, grad_state)
     assert o.shape == (1, H, sum(lengths), E) and states.shape == (len(lengths), H, D, E)
-    assert_close(o, expected_o, dtype, "o")
-    assert_close(states, expected_states, torch.float32 if dtype == torch.float32 else dtype, "final states")
+    assert_close(o, expected_o, tolerance, "o")
+    assert_close(states, expected_states, torch.float32 if tolerance == torch.float32 else tolerance, "final states")
     for name, x, grad in zip(("q", "k", "v", "initial_state"), (q, k, v, s0), grads):
         if grad is None:  # autograd's answer for an input that no output depends on
             assert x.numel() == 0, f"d{name} is missing"
             continue
-        assert_close(grad, expected_grads[name], dtype, f"d{name}")
+        assert_close(grad, expected_grads[name], tolerance, f"d{name}")
 
 
 @pytest.mark.parametrize("method", TRITON_METHODS + ("auto", "loop", "cumsum", "quadratic"))
@@ -97,15 +99,24 @@ def test_api_matches_per_sequence_loop(method, case):
 
 
 @pytest.mark.parametrize("method", ("chunked", "scan"))
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
-def test_16_bit_inputs_take_the_fused_backward(method, dtype):
-    """16-bit heads up to 64 wide: chunked's and scan's one-launch backward kernels."""
-    assert {"chunked": chunked, "scan": scan}[method].fused_backward_config(16, 16, dtype) is not None
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32))
+def test_inputs_that_take_the_fused_backward(method, dtype):
+    """Heads up to 64 wide, 16-bit or float32 under TF32 ("high"): chunked's and scan's
+    one-launch backward kernels. TF32 keeps float16's significand: on a GPU, its tolerance."""
+    precision = "tf32" if dtype == torch.float32 else None
+    assert {"chunked": chunked, "scan": scan}[method].fused_backward_config(16, 16, dtype, precision=precision)
 
     def run(q, k, v, s0, cu_seqlens):
         return ttx_tutorial.causal_product(q, k, v, method, cu_seqlens=cu_seqlens, initial_state=s0,
                                            return_state=True)
-    check_against_loop(run, MIXED, dtype, D=16, E=16, offsets_dtype=torch.int64)
+    tf32 = dtype == torch.float32 and not ttx_tutorial.INTERPRETED
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        check_against_loop(run, MIXED, dtype, D=16, E=16, offsets_dtype=torch.int64,
+                           tolerance=torch.float16 if tf32 else None)
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 #: Chunks of 16 tokens; scan segments of one and two chunks, so that the 83-token sequence spans

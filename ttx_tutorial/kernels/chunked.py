@@ -13,10 +13,11 @@ loads of the next chunks with this one's products. ``reverse`` = 1 walks the chu
 first with the upper triangle, so the state holds sum_{s >= t} k_s v_s^T.
 Backward, with dO the gradient of o and G that of S_T: dQ = forward product (dO, V, K) from
 S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO) from G, whose
-final state is dS_0. For 16-bit heads up to 64 wide ``chunked_backward_kernel`` does all three in
-one launch (two programs a head: a forward walk for dQ, a reverse walk for dK and dV; with
-``SPLIT_WALKS``, for heads too few to fill the GPU, the reverse walk is two programs, one for dV
-and one for dK, each carrying the same R); otherwise ``chunked_kernel`` runs three times.
+final state is dS_0. For heads up to 64 wide (16-bit inputs, and float32 ones under one TF32
+product) ``chunked_backward_kernel`` does all three in one launch (two programs a head: a
+forward walk for dQ, a reverse walk for dK and dV; with ``SPLIT_WALKS``, for heads too few to
+fill the GPU, the reverse walk is two programs, one for dV and one for dK, each carrying the
+same R); otherwise ``chunked_kernel`` runs three times.
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
@@ -67,7 +68,9 @@ fused and normalised backward of this file (tests/test_chunked.py, test_attentio
 test_feature_maps.py) also on an H100, and so the float32 tests of test_precision.py,
 test_chunked.py and test_attention.py with ``PREFETCH_K``; ``TRANSPOSED`` on an H100 through
 test_precision.py's tests that take it, and on both of its rule's tiles against float64 (the
-forward from S_0, a reverse walk, packed sequences, S_T and every gradient).
+forward from S_0, a reverse walk, packed sequences, S_T and every gradient). The fused backward
+on float32 inputs under TF32: compiled for sm_80 and sm_90, and on an H100 its gradients within
+2.1e-4 of the three passes'; not yet through the GPU test suite.
 Non-finite values: a chunk product multiplies its masked zeros by every row of v (k, dO, q in
 the backward), and 0 * inf is NaN, so an inf or NaN would reach earlier results of its chunk.
 Each loop sums 0 * its result tiles per row (NaN once one is not finite); a program that saw
@@ -543,7 +546,7 @@ def _reverse_walk(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, grad_denominator_
     ``*_arg`` pointers as passed, for the token-by-token walk after the loop."""
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    FLOAT32_PRECISION: tl.constexpr = "tf32"  # as in chunked_backward_kernel
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     # k feeds dV's products, and dK only through the feature map's derivative; v feeds only dK.
     LOADS_K: tl.constexpr = WANT_DV or FEATURE_MAP != "identity"
@@ -755,15 +758,23 @@ def chunked_kernel(
     mask_e = offs_e < E
     mask_de = mask_d[:, None] & mask_e[None, :]
 
-    b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    # The state as the chunk loop carries it: S (D x E), or S^T (E x D) in the transposed loop.
+    if TRANSPOSED:
+        b_state = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
+    else:
+        b_state = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
     # NORMALIZE: z, the sum of the keys so far (column E of the states), carried as K^T U beside the
     # state: the first column of b_key_sum (see _unit_columns).
     offs_u = tl.arange(0, UNIT_BLOCK)
     b_key_sum = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
     if has_initial_state:
         initial_state_ptr += b * stride_s0b + h * stride_s0h
-        b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
-                          mask=mask_de, other=0.0).to(tl.float32)
+        if TRANSPOSED:
+            b_state = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
+                              mask=mask_e[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        else:
+            b_state = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + offs_e[None, :] * stride_s0e,
+                              mask=mask_de, other=0.0).to(tl.float32)
         if NORMALIZE:
             b_key_sum = tl.load(initial_state_ptr + offs_d[:, None] * stride_s0d + E * stride_s0e + offs_u[None, :] * 0,
                                 mask=mask_d[:, None] & (offs_u[None, :] == 0), other=0.0)
@@ -774,7 +785,7 @@ def chunked_kernel(
     visible = tl.where(reverse != 0, offs_c[:, None] <= offs_c[None, :], offs_c[:, None] >= offs_c[None, :])
 
     num_chunks = (T + CHUNK - 1) // CHUNK
-    b_carry = tl.full([BLOCK_D, BLOCK_E], 0.0, dtype=tl.float32)
+    b_carry = tl.full(b_state.shape, 0.0, dtype=tl.float32)
     b_key_sum_carry = tl.full([BLOCK_D, UNIT_BLOCK], 0.0, dtype=tl.float32)
     b_units = _unit_columns(CHUNK, tl.float32 if INTERPRETED else INPUT_DTYPE)
     # NORMALIZE: d_t + eps and z belong to no value block; the first block's program stores them.
@@ -806,12 +817,6 @@ def chunked_kernel(
         # q serves Q K^T and S^T Q^T as it lies (D contiguous), the scores as computed are P^T
         # with the summed tokens contiguous, and k takes a second layout for V^T K.
         tl.static_assert(not NORMALIZE, "the transposed loop carries no normaliser")
-        mask_ed = mask_e[:, None] & mask_d[None, :]
-        b_state_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
-        if has_initial_state:
-            b_state_t = tl.load(initial_state_ptr + offs_e[:, None] * stride_s0e + offs_d[None, :] * stride_s0d,
-                                mask=mask_ed, other=0.0).to(tl.float32)
-        b_carry_t = tl.full([BLOCK_E, BLOCK_D], 0.0, dtype=tl.float32)
         for i in range(num_chunks):
             chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
                                                      stride_qt, stride_qd, T, CHUNK)  # b_q [C, D]
@@ -823,17 +828,17 @@ def chunked_kernel(
             b_vt = tl.where(mask_e[:, None], b_vt, 0.0)
             b_scores = _dot(b_q, b_kt, None, FLOAT32_PRECISION, INTERPRETED)          # [C, C]
             b_scores = tl.where(visible, b_scores, 0.0)
-            b_ot = _dot(tl.where(mask_e[:, None], b_state_t, 0.0), tl.trans(b_q), None,
+            b_ot = _dot(tl.where(mask_e[:, None], b_state, 0.0), tl.trans(b_q), None,
                         FLOAT32_PRECISION, INTERPRETED)                                 # [E, C]
             b_ot = _dot(b_vt, tl.trans(b_scores), b_ot, FLOAT32_PRECISION, INTERPRETED)
-            b_state_t, b_carry_t = _add_product(b_state_t, b_carry_t, b_vt, tl.trans(b_kt), COMPENSATED,
-                                                FLOAT32_PRECISION, INTERPRETED)
+            b_state, b_carry = _add_product(b_state, b_carry, b_vt, tl.trans(b_kt), COMPENSATED,
+                                            FLOAT32_PRECISION, INTERPRETED)
             b_seen += tl.sum(b_ot * 0.0, 0)
             tl.store(o_ptr + offs_e[:, None] * stride_oe + offs_t[None, :] * stride_ot,
                      _rounded(b_ot, o_ptr.dtype.element_ty, INTERPRETED), mask=mask_e[:, None] & mask_t[None, :])
         final_state_ptr += b * stride_sfb + h * stride_sfh
-        tl.store(final_state_ptr + offs_e[:, None] * stride_sfe + offs_d[None, :] * stride_sfd, b_state_t,
-                 mask=mask_ed)
+        tl.store(final_state_ptr + offs_e[:, None] * stride_sfe + offs_d[None, :] * stride_sfd, b_state,
+                 mask=mask_e[:, None] & mask_d[None, :])
     else:
         for i in range(num_chunks):
             chunk, offs_t, mask_t, b_q = _query_tile(q_ptr, i, num_chunks, reverse, offs_c, offs_d, mask_d,
@@ -959,10 +964,12 @@ def chunked_backward_kernel(
     # R it would take registers the reverse walk has not got. (The forward walk could make r, as
     # -(q_t . P_t g_t) / (d_t + eps), but only by running before the reverse walk instead of beside
     # it, and a walk alone on its multiprocessor waits on its loads.)
-    # Precision as in chunked_kernel.
+    # Precision as in chunked_kernel's TF32 launches: float32 operands (float16's state and
+    # scores, and float32 inputs) in one TF32 product. The wrappers launch this kernel for float32
+    # inputs only where PyTorch's float32 matmul precision allows TF32 (``fused_backward_config``).
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    FLOAT32_PRECISION: tl.constexpr = "tf32"
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
 
     pid_bh = tl.program_id(0)
@@ -1374,9 +1381,10 @@ def _launch(q, k, v, initial_state, *, reverse, config, cu_seqlens=None, denomin
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
-#: in registers at once, which fits 16-bit heads up to 64 wide without spills.
+#: in registers at once, which fits heads up to 64 wide without spills (float16 and float32
+#: inputs at 32-token chunks).
 FUSED_BACKWARD_MAX_BLOCK = 64
-_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
+_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fused_backward_shared_memory(fused, dtype, normalize=False):
@@ -1388,41 +1396,54 @@ def _fused_backward_shared_memory(fused, dtype, normalize=False):
 
 
 def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False,
-                          heads=None, multiprocessors=None):
+                          heads=None, multiprocessors=None, precision=None):
     """Launch parameters of ``chunked_backward_kernel``, or None where the backward runs
-    ``chunked_kernel`` three times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK).
-    CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates
-    need the registers). A walk's parallelism is its load pipeline and the other walk's program:
-    4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks wait longer on
-    their products: two programs then share a multiprocessor; timed faster on an H200), fewer
-    stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the ``heads``
-    (B * H, or sequences * H when packed) are so few that every program of the split launch,
-    three a head, has a multiprocessor of its own (3 * heads <= multiprocessors): the longest
-    program, the reverse walk, then makes one of its two gradients, four of its seven products
-    a chunk (R's update in both). On an H200 faster with 8 heads, slower with 128; see
+    ``chunked_kernel`` three times instead: heads wider than FUSED_BACKWARD_MAX_BLOCK, or float32
+    inputs whose ``precision`` (``float32_precision()``) is not one TF32 product, the kernel's
+    (the passes keep the split or 3xTF32 of "highest"), and float32's plain product where its
+    walks do not split (below): there the passes' float32 tiles ran 2.5 % faster on an H100 at
+    (8, 16, 4096, 64), and no stages, warps or chunk of the fused plan caught up with them; split,
+    and in the normalised backward, the fused launch is the faster (benchmarks/NOTES.md,
+    2026-12-07).
+    CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32 (whose float32
+    intermediates need the registers). A walk's parallelism is its load pipeline and the other
+    walk's program: 4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks
+    wait longer on their products: two programs then share a multiprocessor; timed faster on an
+    H200), fewer stages until the loads in flight fit ``shared_memory``. SPLIT_WALKS where the
+    ``heads`` (B * H, or sequences * H when packed) are so few that every program of the split
+    launch, three a head, has a multiprocessor of its own (3 * heads <= multiprocessors): the
+    longest program, the reverse walk, then makes one of its two gradients, four of its seven
+    products a chunk (R's update in both). On an H200 faster with 8 heads, slower with 128; see
     benchmarks/fused_backward_variants.py."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
         return None
+    if dtype == torch.float32 and precision != "tf32":
+        return None
+    split_walks = heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors
+    if dtype == torch.float32 and not normalize and heads is not None and multiprocessors is not None \
+            and not split_walks:
+        return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
              "num_stages": 3 if normalize else 4,
-             "SPLIT_WALKS": heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors}
+             "SPLIT_WALKS": split_walks}
     while fused["num_stages"] > 1 and _fused_backward_shared_memory(fused, dtype, normalize) > shared_memory:
         fused["num_stages"] -= 1
     return fused
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normalize=False):
+def _backward_plan(heads, T, D, E, dtype, limits, interpreted, overrides, normalize=False, precision=None):
     """Launch keywords of ``chunked_backward_kernel`` for one shape (``fused_backward_config``
     with the constexprs), or None where the backward runs ``chunked_kernel`` three times instead.
-    Cached like ``_launch_plan``; the returned dict is shared and must not be modified."""
+    ``precision``: float32's products at this call (``float32_precision``). Cached like
+    ``_launch_plan``; the returned dict is shared and must not be modified."""
     multiprocessors, shared_memory = limits
     if interpreted:  # programs run one after another: no multiprocessors to fill
         multiprocessors = None
     fused = fused_backward_config(D, E, dtype, dict(overrides), shared_memory=shared_memory, normalize=normalize,
-                                  heads=heads, multiprocessors=multiprocessors)
+                                  heads=heads, multiprocessors=multiprocessors, precision=precision)
     if fused is None:
         return None
     return {**fused, "INTERPRETED": interpreted, "COMPENSATED": _compensated(T, fused["CHUNK"])}
@@ -1563,7 +1584,8 @@ class _ChunkedCausalProduct(torch.autograd.Function):
         sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         fused = _backward_plan(sequences * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
                                _device_limits(q.device), triton.knobs.runtime.interpret,
-                               () if ctx.config is None else tuple(sorted(ctx.config.items())))
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())),
+                               precision=float32_precision(ctx.normalized) if q.dtype == torch.float32 else None)
         if fused is not None and (needs_k or needs_v or needs_initial_state):
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(
                 q, k, v, initial_state, grad_o, grad_final_state, fused, compute_dq=needs_q,
@@ -1592,15 +1614,15 @@ def _launch_normalized(q, k, v, initial_state, eps, config):
 
 def _normalized_backward_in_passes(q, k, v, initial_state, o, denominator, grad_o, grad_final_state, config,
                                    needs_input_grad, feature_map="identity"):
-    """The normalised backward where the fused kernel does not apply (float32, heads over 64): the
-    plain backward's passes on g = dO / (d + eps), then the denominator's terms (its gradient
-    r_t = -(g_t . out_t)). g and r come from one launch (``normalizer_gradient_kernel``), g
-    rounded as the fused backward rounds it: bfloat16 for bfloat16 inputs, float32 otherwise
-    (float16's g falls below its normal range once d_t is a few thousand), and r from that g, so
-    that g_t . v_s + r_t cancels where it should. The dq and dk passes write float32, which
-    ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before rounding; dz_0 comes from
-    dK's terms, which run whenever dS_0 is needed. With a ``feature_map``, q and k are its
-    features and the terms' walks take dq and dk through its derivative."""
+    """The normalised backward where the fused kernel does not apply (float32 under "highest",
+    heads over 64): the plain backward's passes on g = dO / (d + eps), then the denominator's terms
+    (its gradient r_t = -(g_t . out_t)). g and r come from one launch
+    (``normalizer_gradient_kernel``), g rounded as the fused backward rounds it: bfloat16 for
+    bfloat16 inputs, float32 otherwise (float16's g falls below its normal range once d_t is a few
+    thousand), and r from that g, so that g_t . v_s + r_t cancels where it should. The dq and dk
+    passes write float32, which ``normalizer_terms_kernel`` completes with r_t z_t and dz_s before
+    rounding; dz_0 comes from dK's terms, which run whenever dS_0 is needed. With a ``feature_map``,
+    q and k are its features and the terms' walks take dq and dk through its derivative."""
     needs_q, needs_k, needs_v, needs_initial_state = needs_input_grad
     E = v.shape[-1]
     grad_denominator, g, _ = _normalizer_gradient(grad_o, o, denominator, with_numerator=True)
@@ -1655,7 +1677,8 @@ class _ChunkedNormalizedAttention(torch.autograd.Function):
             grad_o = torch.zeros_like(o)
         fused = _backward_plan(q.shape[0] * q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.dtype,
                                _device_limits(q.device), triton.knobs.runtime.interpret,
-                               () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True)
+                               () if ctx.config is None else tuple(sorted(ctx.config.items())), normalize=True,
+                               precision=float32_precision(True) if q.dtype == torch.float32 else None)
         feature_map = ctx.feature_map
         if fused is not None:
             grad_q, grad_k, grad_v, grad_initial_state = _launch_backward(

@@ -19,8 +19,9 @@ per launch sets the pace. The last walked segment is never summed (its sum only 
 Backward, with dO the gradient of o and G that of S_T:  dQ = forward product (dO, V, K) from the
 forward's start states transposed; dV = reverse product (K, Q, dO) from G, whose final state is
 dS_0; dK = reverse product (V, dO, Q) from the same suffix states transposed. ``reverse`` = 1
-walks segments and chunks from last to first with the upper triangle. For 16-bit heads up to 64
-wide ``scan_backward_kernel`` does all three in one launch, else ``scan_outputs_kernel`` runs thrice.
+walks segments and chunks from last to first with the upper triangle. For heads up to 64 wide
+(16-bit inputs, and float32 ones under one TF32 product) ``scan_backward_kernel`` does all three
+in one launch, else ``scan_outputs_kernel`` runs thrice.
 ``NORMALIZE`` (``scan_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s, carried in float32 as column E of every state (states of E + 1 columns, z last,
 S_0 and S_T included): pass 1 sums the segment's keys beside U, pass 2 scans them with the
@@ -81,7 +82,8 @@ included). Packed segments that straddle boundaries: the scan and packed-sequenc
 on an H200 (Triton 3.6); the segment rule's two programs a multiprocessor: timed there,
 its lengths within those the tests run; bfloat16's four stages at D = 33-128 and their segments
 of at most one program a multiprocessor, float16's three stages: timed and the scan test files
-run on an H100 (Triton 3.6). With "elu" the kernels took
+run on an H100 (Triton 3.6). The fused backward on float32 inputs under TF32: compiled for
+sm_80 and sm_90 and timed on an H100; not yet through the GPU test suite. With "elu" the kernels took
 longer than on features mapped beforehand (GPU time at (1, 8, 65536, 64) bfloat16: 0.40 / 1.75 ms
 forward / forward+backward against 0.29 / 1.00), so ``causal_linear_attention`` maps in PyTorch.
 Caveats: SEGMENT_LEN only decides how the work is cut; its rule counts multiprocessors, and
@@ -988,7 +990,9 @@ def scan_backward_kernel(
     forward_start_arg, suffix_start_arg = forward_start_ptr, suffix_start_ptr
     INPUT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     MIXED_DTYPE: tl.constexpr = tl.bfloat16 if INPUT_DTYPE == tl.bfloat16 else tl.float32
-    FLOAT32_PRECISION: tl.constexpr = "ieee" if INPUT_DTYPE == tl.float32 else "tf32"
+    # float32 operands (float16's state and scores, and float32 inputs) in one TF32 product: the
+    # wrappers launch this kernel for float32 inputs only under TF32 (``fused_backward_config``).
+    FLOAT32_PRECISION: tl.constexpr = "tf32"
     DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else INPUT_DTYPE
     MIXED_DOT_DTYPE: tl.constexpr = tl.float32 if INTERPRETED else MIXED_DTYPE
     pid = tl.program_id(0)
@@ -1611,9 +1615,10 @@ def _resolve_config(q, v, config, normalized=False, denominator=False):
 
 
 #: The fused backward holds R (D x E), two [C, C] score tiles and the dK and dV tiles of a chunk
-#: in registers at once, which fits 16-bit heads up to 64 wide.
+#: in registers at once, which fits heads up to 64 wide (float16 and float32 inputs at 32-token
+#: chunks).
 FUSED_BACKWARD_MAX_BLOCK = 64
-_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16)
+_FUSED_BACKWARD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fused_backward_shared_memory(fused, dtype, normalize=False):
@@ -1624,15 +1629,20 @@ def _fused_backward_shared_memory(fused, dtype, normalize=False):
     return fused["num_stages"] * chunk_bytes + 2 * fused["BLOCK_D"] * fused["BLOCK_E"] * 4
 
 
-def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False):
+def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LIMITS[1], normalize=False,
+                          precision=None):
     """Launch parameters of ``scan_backward_kernel``, or None where the backward runs pass 3 three
-    times instead (float32, or heads wider than FUSED_BACKWARD_MAX_BLOCK). CHUNK: the forward's,
-    at most 64 for bfloat16 and 32 for float16 (whose float32 intermediates need the registers).
+    times instead: heads wider than FUSED_BACKWARD_MAX_BLOCK, or float32 inputs whose
+    ``precision`` (the resolved config's ``FLOAT32_PRECISION``) is not one TF32 product, the
+    kernel's. CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32
+    (whose float32 intermediates need the registers).
     One program per segment leaves the load pipeline as its parallelism: 4 warps, 4 stages,
     fewer stages until the loads in flight fit ``shared_memory`` (``normalize``: the normalised
     backward's, which also loads r and d + eps)."""
     block_d, block_e = _block(D), _block(E)
     if dtype not in _FUSED_BACKWARD_DTYPES or max(block_d, block_e) > FUSED_BACKWARD_MAX_BLOCK:
+        return None
+    if dtype == torch.float32 and precision != "tf32":
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4, "num_stages": 4}
@@ -1979,7 +1989,8 @@ class _ScanCausalProduct(torch.autograd.Function):
         forward_starts = _States(start_tensor, ctx.start_strides)
         need_suffix = need_k or need_v or need_initial
         config = _resolve_config(k, grad_o, overrides, ctx.normalized)
-        fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1])
+        fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1],
+                                      precision=config["FLOAT32_PRECISION"])
         if fused is not None and need_suffix:
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config,
                                             segments=segments)
@@ -2078,7 +2089,7 @@ class _ScanNormalizedAttention(torch.autograd.Function):
         forward_starts = _States(start_tensor, ctx.start_strides)
         config = _resolve_config(k, grad_o, overrides, normalized=True)
         fused = fused_backward_config(D, E, q.dtype, config, shared_memory=_device_limits(q.device)[1],
-                                      normalize=True)
+                                      normalize=True, precision=config["FLOAT32_PRECISION"])
         if fused is not None:
             grad_denominator = _normalizer_gradient(grad_o, o, denominator)
             suffix_starts = _segment_starts(q, grad_o, grad_final, reverse=True, config=config, segments=segments,
