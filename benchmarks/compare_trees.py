@@ -2,6 +2,7 @@
 
     python benchmarks/compare_trees.py BASE_TREE NEW_TREE            # GPU: the table below
     python benchmarks/compare_trees.py A B --shapes 8,16,4096,64 1,8,65536,64 --rounds 3 --json OUT.json
+    python benchmarks/compare_trees.py A B --dtype float32 --float32-precision high
 
 A tree is a folder holding ``ttx_tutorial/`` (a checkout, or ``git archive REV | tar -x -C DIR``).
 Each tree runs in its own Python process with that folder first on ``PYTHONPATH`` (the child
@@ -10,6 +11,8 @@ a launch plan; rounds alternate between the trees (A, B, A, B, ...) so that cloc
 neighbours drift alike on both. Rows, for each shape (B, H, T, D; E = D), method and mode:
   fwd       ``causal_product(q, k, v, method)``
   fwd+bwd   the same and ``o.backward(dO)``, q, k, v requiring gradients
+float32 inputs are multiplied at ``--float32-precision`` (``torch.set_float32_matmul_precision``
+in each child; PyTorch's default "highest" unless given). Each row is
 timed as the GPU's time of a CUDA-graph replay of one call (``do_bench`` median, host excluded),
 the median over rounds; "new / base" is NEW_TREE's time over BASE_TREE's. Each round also
 reports the forward's relative error against a float64 reference, so that a fast wrong tree
@@ -66,10 +69,12 @@ def host_ms(fn, leaves):
     return statistics.median(samples)
 
 
-def child(tree: Path, shapes, dtype_name, seed):
+def child(tree: Path, shapes, dtype_name, seed, float32_precision):
     """Run in the tree's own process: time every row, print them as one JSON line."""
     import torch
     import ttx_tutorial
+
+    torch.set_float32_matmul_precision(float32_precision)
     from ttx_tutorial.testing import reference, relative_error
 
     imported_from = Path(ttx_tutorial.__file__).resolve().parents[1]
@@ -98,14 +103,14 @@ def child(tree: Path, shapes, dtype_name, seed):
     print(json.dumps({"tree": str(tree), "triton_interpreter": ttx_tutorial.INTERPRETED,
                       "torch": torch.__version__, "triton": __import__("triton").__version__,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                      "rows": rows}))
+                      "float32_precision": torch.get_float32_matmul_precision(), "rows": rows}))
 
 
 def run_tree(tree: Path, args) -> dict:
     """One round of one tree, in a fresh process whose path starts with the tree."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree.resolve()), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--dtype", args.dtype,
-               "--seed", str(args.seed), "--shapes", *args.shapes]
+               "--seed", str(args.seed), "--float32-precision", args.float32_precision, "--shapes", *args.shapes]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree} failed:\n{done.stderr[-4000:]}")
@@ -153,12 +158,14 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3, help="runs of each tree, alternating")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float32-precision", default="highest", choices=("highest", "high", "medium"),
+                        help="torch.set_float32_matmul_precision in each tree's process")
     parser.add_argument("--json", type=Path, help="also write every round's rows here")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = [parse_shape(text) for text in args.shapes]
     if args.child:
-        child(args.child, shapes, args.dtype, args.seed)
+        child(args.child, shapes, args.dtype, args.seed, args.float32_precision)
         return
     if len(args.trees) != 2:
         parser.error("give two trees: BASE_TREE NEW_TREE")
@@ -175,7 +182,8 @@ def main():
     base, new = (results[tree] for tree in args.trees)
     first = base[0]
     mode = " (Triton's interpreter: host time)" if first["triton_interpreter"] else " (GPU time of a graph replay)"
-    print(f"{args.dtype}; {first['device']}{mode}; torch {first['torch']}, triton {first['triton']}; "
+    precision = f" ({first['float32_precision']})" if args.dtype == "float32" else ""
+    print(f"{args.dtype}{precision}; {first['device']}{mode}; torch {first['torch']}, triton {first['triton']}; "
           f"median of {args.rounds} rounds; base {args.trees[0]}, new {args.trees[1]}")
     print(table(base, new, [tree.name for tree in args.trees]))
     if args.json:
