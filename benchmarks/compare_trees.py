@@ -185,7 +185,7 @@ def main():
     precision = f" ({first['float32_precision']})" if args.dtype == "float32" else ""
     print(f"{args.dtype}{precision}; {first['device']}{mode}; torch {first['torch']}, triton {first['triton']}; "
           f"median of {args.rounds} rounds; base {args.trees[0]}, new {args.trees[1]}")
-    print(table(base, new, [tree.name for tree in args.trees]))
+    print(table(base, new, [tree.resolve().name for tree in args.trees]))
     if args.json:
         args.json.write_text(json.dumps({str(tree): rounds for tree, rounds in results.items()}, indent=1))
 
