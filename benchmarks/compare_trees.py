@@ -110,7 +110,8 @@ def run_tree(tree: Path, args) -> dict:
     """One round of one tree, in a fresh process whose path starts with the tree."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree.resolve()), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--dtype", args.dtype,
-               "--seed", str(args.seed), "--float32-precision", args.float32_precision, "--shapes", *args.shapes]
+               "--seed", str(args.seed), "--float32-precision", args.float32_precision,
+               "--shapes", *args.shapes]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree} failed:\n{done.stderr[-4000:]}")

@@ -160,7 +160,8 @@ def test_the_normalised_attention_asks_auto_for_its_own_forward(monkeypatch):
     assert asked == [True]
     asked.clear()
     packed = random_inputs(1, 2, 20, 8, seed=2)
-    ttx_tutorial.causal_linear_attention(*packed, method="auto", cu_seqlens=torch.tensor([0, 7, 20]))
+    offsets = torch.tensor([0, 7, 20], device=packed[0].device)
+    ttx_tutorial.causal_linear_attention(*packed, method="auto", cu_seqlens=offsets)
     assert asked and not any(asked)
 
 
