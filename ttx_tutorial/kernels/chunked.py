@@ -1402,10 +1402,9 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
     ``chunked_kernel`` three times instead: heads wider than FUSED_BACKWARD_MAX_BLOCK, or float32
     inputs whose ``precision`` (``float32_precision()``) is not one TF32 product, the kernel's
     (the passes keep the split or 3xTF32 of "highest"), and float32's plain product where its
-    walks do not split (below): there the passes' float32 tiles ran 2.5 % faster on an H100 at
-    (8, 16, 4096, 64), and no stages, warps or chunk of the fused plan caught up with them; split,
-    and in the normalised backward, the fused launch is the faster (benchmarks/NOTES.md,
-    2026-12-07).
+    walks do not split (below): there the passes ran faster on an H100 than the fused plan with
+    any of the stages, warps or chunks timed, while with split walks, and in the normalised
+    backward, the fused launch was the faster (benchmarks/NOTES.md, 2026-12-07).
     CHUNK: the forward's, at most 64 for bfloat16 and 32 for float16 and float32 (whose float32
     intermediates need the registers). A walk's parallelism is its load pipeline and the other
     walk's program: 4 warps, 4 stages (3 for ``normalize``, the normalised backward, whose walks
