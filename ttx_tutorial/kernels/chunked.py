@@ -1420,9 +1420,9 @@ def fused_backward_config(D, E, dtype, config=None, *, shared_memory=_NOMINAL_LI
         return None
     if dtype == torch.float32 and precision != "tf32":
         return None
-    split_walks = heads is not None and multiprocessors is not None and 3 * heads <= multiprocessors
-    if dtype == torch.float32 and not normalize and heads is not None and multiprocessors is not None \
-            and not split_walks:
+    heads_known = heads is not None and multiprocessors is not None
+    split_walks = heads_known and 3 * heads <= multiprocessors
+    if dtype == torch.float32 and not normalize and heads_known and not split_walks:
         return None
     chunk = min(64 if dtype == torch.bfloat16 else 32, (config or {}).get("CHUNK", 64))
     fused = {"BLOCK_D": block_d, "BLOCK_E": block_e, "CHUNK": chunk, "num_warps": 4,
