@@ -154,14 +154,14 @@ def _single_and_split(monkeypatch, gradients):
 
 
 @pytest.mark.parametrize("case", ["plain", "no dq", "normalized identity", "normalized elu"])
-@pytest.mark.parametrize("poison", [None, "v", "q", "k", "do"])
+@pytest.mark.parametrize("poison", [None, "q", "do"])
 def test_fused_backward_split_walks_match_the_single_reverse_walk(case, poison, device, monkeypatch):
     """SPLIT_WALKS (dV and dK in two programs, each carrying R) computes each gradient with the
     operations of the single reverse walk: the same values, bit for bit. With an inf in an
     input each walk redoes token by token only the gradient it found non-finite (the single
     walk redoes both): the same non-finite positions, and elsewhere values within bfloat16's
-    tolerance of each other. An inf in v or q spoils only dK's chunk products, one in k or dO
-    dV's too, so each walk's redo is needed by some case."""
+    tolerance of each other. An inf in q (as one in v) spoils only dK's chunk products, one in dO
+    (as one in k) dV's too, so each walk's redo is needed by some case."""
     normalized, _, feature_map = case.partition(" ")
     T, D, E = 3 * C + 5, 24, 40
     q, k, v, s0 = random_inputs(1, 2, T, D, E, dtype=torch.bfloat16, device=device, seed=11, initial_state=True)
