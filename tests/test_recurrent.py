@@ -106,7 +106,7 @@ def _walk_cases():
                     (_shape_id(shape), str(dtype), "initial_state" if with_state else "zero_state", walk)))
 
 
-@pytest.mark.parametrize("shape, dtype, with_state, walk", _walk_cases())
+@pytest.mark.parametrize("shape, dtype, with_state, walk", list(_walk_cases()))
 def test_each_walk_matches_float64(shape, dtype, with_state, walk):
     q, k, v, s0 = random_inputs(*shape, dtype=dtype, seed=sum(shape) + 2, initial_state=True,
                                 requires_grad=True)
