@@ -58,7 +58,7 @@ _REGISTRY = {m.name: m for m in _METHOD_LIST}
 METHODS = tuple(_REGISTRY)
 
 
-#: ``causal_product``'s default: picks "chunked" or "scan" for the inputs (see :func:`choose_method`).
+#: ``causal_product``'s default: picks "chunked", "scan" or "recurrent" for the inputs (see :func:`choose_method`).
 AUTO = "auto"
 
 #: Below this many (batch, head, value block) programs per multiprocessor, "chunked"
@@ -66,9 +66,9 @@ AUTO = "auto"
 #: reads k and v twice and pays for its states, so it needs the idle share to be large. Measured
 #: on an H200 (132 SMs, benchmarks/NOTES.md and the recorded data): at (2, 16, 16384, 128), 64
 #: programs or 0.48 a multiprocessor, both take the same forward time and scan's
-#: forward+backward is 1.12x faster (bfloat16). Under TF32 the count there is 32 programs of
-#: whole value heads, which chunked narrows to 128 programs of 32 columns; scan is faster than
-#: those, forward and forward+backward (tests/test_auto.py's TF32 table).
+#: forward+backward is 1.12x faster (bfloat16). Under TF32 with keys 128 wide chunked walks its
+#: transposed loop on blocks narrowed to fill the GPU, which ran faster than scan there
+#: (``_chunked_value_block``; tests/test_auto.py's ``_HIGH_TRANSPOSED_H100``).
 _SCAN_BELOW_PROGRAMS_PER_SM = 0.5
 #: ... provided the sequence is long enough to be split into segments worth the extra passes.
 _SCAN_FROM_LENGTH = 8192
