@@ -16,9 +16,9 @@ S_0^T; dK = reverse product (V, dO, Q) from G^T; dV = reverse product (K, Q, dO)
 final state is dS_0. For heads up to 64 wide (16-bit inputs; float32 ones under one TF32
 product in the normalised attention, and in the plain product where its walks split, see
 ``fused_backward_config``) ``chunked_backward_kernel`` does all three in one launch (two
-programs a head: a forward walk for dQ, a reverse walk for dK and dV; with ``SPLIT_WALKS``, for heads too few to
-fill the GPU, the reverse walk is two programs, one for dV and one for dK, each carrying the
-same R); otherwise ``chunked_kernel`` runs three times.
+programs a head: a forward walk for dQ, a reverse walk for dK and dV; with ``SPLIT_WALKS``, for
+heads too few to fill the GPU, the reverse walk is two programs, one for dV and one for dK, each
+carrying the same R); otherwise ``chunked_kernel`` runs three times.
 ``NORMALIZE`` (``chunked_normalized_attention``): out_t = o_t / (q_t . z_t + eps), z_t = z_0 +
 sum_{s<=t} k_s in float32 beside S (states of E + 1 columns, z last), q_t . z_t = the row sum of
 the chunk's masked scores + q_t . z_{c-1}. Its backward runs on g_t = dO_t / (q_t . z_t + eps)
